@@ -1,0 +1,32 @@
+# `make test` and `make demo` work from a fresh clone: they create .venv when missing.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo venv lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	# torch first, pinned to the CPU build, so transformers does not pull a CUDA torch.
+	$(PY) -m pip install "torch==2.13.0"
+	$(PY) -m pip install -e ".[test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -n 2 -q tests
+
+demo: $(STAMP)
+	$(PY) -m sparserl_jax.cli generate --config configs/tiny.yaml
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

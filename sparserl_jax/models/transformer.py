@@ -1,0 +1,241 @@
+"""Flax NNX decoder-only transformer for the Llama-3 / Qwen2 / Qwen3 family.
+
+Axis letters: B batch, T query time, S key time, D model, N query heads, K kv heads,
+G = N // K, H head dim, F mlp width, V vocab.
+
+Two entry points share every weight and every projection:
+- `model(tokens, positions=None, segment_ids=None)`: teacher forcing over whole (optionally
+  packed) sequences, causal attention restricted to equal segment ids.
+- `model.decode(tokens, cache, token_mask=None)`: incremental decoding on any cache that follows
+  `sparserl_jax.models.cache.DecodeCache` (the dense reference cache or the paged cache).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from sparserl_jax.models.cache import DecodeCache
+from sparserl_jax.models.config import ModelConfig
+from sparserl_jax.models.layers import RMSNorm, apply_rope, gqa_attention, param, rope_inv_freq
+
+
+class Attention(nnx.Module):
+    """GQA self-attention with optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        wd = cfg.weight_dtype
+        self.cfg = cfg
+        self.q_proj = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), wd, fan_in=d)
+        self.k_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), wd, fan_in=d)
+        self.v_proj = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), wd, fan_in=d)
+        self.o_proj = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), wd, fan_in=n * h)
+        if cfg.qkv_bias:
+            self.q_bias = param(None, (n, h), ("heads", "head_dim"), wd, init="zeros")
+            self.k_bias = param(None, (k, h), ("kv_heads", "head_dim"), wd, init="zeros")
+            self.v_bias = param(None, (k, h), ("kv_heads", "head_dim"), wd, init="zeros")
+        if cfg.o_bias:
+            self.o_bias_ = param(None, (d,), ("embed",), wd, init="zeros")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=wd, axis_name="head_dim")
+            self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=wd, axis_name="head_dim")
+
+    def project(
+        self, x_btd: Float[Array, "B T D"], positions_bt: Int[Array, "B T"]
+    ) -> tuple[Float[Array, "B T N H"], Float[Array, "B T K H"], Float[Array, "B T K H"]]:
+        """Queries (already scaled by 1/sqrt(H)), keys (after RoPE) and values."""
+        cfg, dt = self.cfg, self.cfg.compute_dtype
+        x = x_btd.astype(dt)
+        q = jnp.einsum("btd,dnh->btnh", x, self.q_proj[...].astype(dt))
+        k = jnp.einsum("btd,dkh->btkh", x, self.k_proj[...].astype(dt))
+        v = jnp.einsum("btd,dkh->btkh", x, self.v_proj[...].astype(dt))
+        if cfg.qkv_bias:
+            q = q + self.q_bias[...].astype(dt)[None, None]
+            k = k + self.k_bias[...].astype(dt)[None, None]
+            v = v + self.v_bias[...].astype(dt)[None, None]
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        # A trace-time constant: XLA folds it, so it is not a parameter or a state variable.
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        q = apply_rope(q, positions_bt, inv_freq)
+        k = apply_rope(k, positions_bt, inv_freq)
+        q = (q.astype(jnp.float32) * cfg.head_dim**-0.5).astype(dt)
+        return q, k, v
+
+    def output(self, o_btnh: Float[Array, "B T N H"]) -> Float[Array, "B T D"]:
+        dt = self.cfg.compute_dtype
+        out = jnp.einsum("btnh,nhd->btd", o_btnh.astype(dt), self.o_proj[...].astype(dt))
+        if self.cfg.o_bias:
+            out = out + self.o_bias_[...].astype(dt)[None, None]
+        return out
+
+
+class MLP(nnx.Module):
+    """SwiGLU: `down(silu(gate(x)) * up(x))`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, wd = cfg.hidden_size, cfg.intermediate_size, cfg.weight_dtype
+        self.cfg = cfg
+        self.gate_proj = param(rngs, (d, f), ("embed", "mlp"), wd, fan_in=d)
+        self.up_proj = param(rngs, (d, f), ("embed", "mlp"), wd, fan_in=d)
+        self.down_proj = param(rngs, (f, d), ("mlp", "embed"), wd, fan_in=f)
+        if cfg.mlp_bias:
+            self.gate_bias = param(None, (f,), ("mlp",), wd, init="zeros")
+            self.up_bias = param(None, (f,), ("mlp",), wd, init="zeros")
+            self.down_bias = param(None, (d,), ("embed",), wd, init="zeros")
+
+    def __call__(self, x_btd: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
+        dt = self.cfg.compute_dtype
+        x = x_btd.astype(dt)
+        gate = jnp.einsum("btd,df->btf", x, self.gate_proj[...].astype(dt))
+        up = jnp.einsum("btd,df->btf", x, self.up_proj[...].astype(dt))
+        if self.cfg.mlp_bias:
+            gate = gate + self.gate_bias[...].astype(dt)[None, None]
+            up = up + self.up_bias[...].astype(dt)[None, None]
+        out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
+        if self.cfg.mlp_bias:
+            out = out + self.down_bias[...].astype(dt)[None, None]
+        return out
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        wd = cfg.weight_dtype
+        self.input_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=wd)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=wd)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(
+        self,
+        x_btd: Float[Array, "B T D"],
+        positions_bt: Int[Array, "B T"],
+        mask_bts: Bool[Array, "B T T"],
+    ) -> Float[Array, "B T D"]:
+        q, k, v = self.attn.project(self.input_norm(x_btd), positions_bt)
+        o = gqa_attention(q, k, v, mask_bts)
+        x_btd = x_btd + self.attn.output(o).astype(x_btd.dtype)
+        return x_btd + self.mlp(self.post_attn_norm(x_btd)).astype(x_btd.dtype)
+
+
+def segment_positions(segment_ids_bt: Int[Array, "B T"]) -> Int[Array, "B T"]:
+    """Positions restarting at 0 at every segment boundary (for packed sequences)."""
+    t = segment_ids_bt.shape[1]
+    idx_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), segment_ids_bt.shape)
+    starts_bt = jnp.concatenate(
+        [
+            jnp.ones_like(segment_ids_bt[:, :1], dtype=bool),
+            segment_ids_bt[:, 1:] != segment_ids_bt[:, :-1],
+        ],
+        axis=1,
+    )
+    start_idx_bt = jax.lax.cummax(jnp.where(starts_bt, idx_bt, 0), axis=1)
+    return idx_bt - start_idx_bt
+
+
+class Embedding(nnx.Module):
+    """Token embedding table `[V, D]`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        shape = (cfg.vocab_size, cfg.hidden_size)
+        self.embedding = param(rngs, shape, ("vocab", "embed"), cfg.weight_dtype, fan_in=1)
+
+
+class LMHead(nnx.Module):
+    """Untied output projection `[D, V]`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        shape = (cfg.hidden_size, cfg.vocab_size)
+        self.kernel = param(rngs, shape, ("embed", "vocab"), cfg.weight_dtype)
+
+
+class Transformer(nnx.Module):
+    """The decoder. `model(tokens)` returns fp32 logits `[B, T, V]`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        wd = cfg.weight_dtype
+        self.embed = Embedding(cfg, rngs=rngs)
+        self.layers = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, param_dtype=wd)
+        if not cfg.tie_embeddings:
+            self.lm_head = LMHead(cfg, rngs=rngs)
+
+    def embed_tokens(self, tokens_bt: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        return jnp.take(self.embed.embedding[...], tokens_bt, axis=0).astype(self.cfg.compute_dtype)
+
+    def logits(self, h_btd: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
+        """The LM head (tied: `h @ E^T`), accumulated and returned in fp32."""
+        dt = self.cfg.compute_dtype
+        if self.cfg.tie_embeddings:
+            w_vd = self.embed.embedding[...].astype(dt)
+            return jnp.einsum("btd,vd->btv", h_btd.astype(dt), w_vd, preferred_element_type=jnp.float32)
+        w_dv = self.lm_head.kernel[...].astype(dt)
+        return jnp.einsum("btd,dv->btv", h_btd.astype(dt), w_dv, preferred_element_type=jnp.float32)
+
+    def hidden_states(
+        self,
+        tokens_bt: Int[Array, "B T"],
+        positions_bt: Int[Array, "B T"] | None = None,
+        segment_ids_bt: Int[Array, "B T"] | None = None,
+    ) -> Float[Array, "B T D"]:
+        """Final-normed hidden states of a teacher-forced forward pass."""
+        b, t = tokens_bt.shape
+        causal_tt = jnp.tril(jnp.ones((t, t), dtype=bool))
+        if segment_ids_bt is None:
+            mask_btt = jnp.broadcast_to(causal_tt, (b, t, t))
+            if positions_bt is None:
+                positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        else:
+            same_btt = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
+            mask_btt = causal_tt[None] & same_btt
+            if positions_bt is None:
+                positions_bt = segment_positions(segment_ids_bt)
+        x = self.embed_tokens(tokens_bt)
+        for layer in self.layers:
+            if self.cfg.remat:
+                x = nnx.remat(lambda blk, x_, p_, m_: blk(x_, p_, m_))(
+                    layer, x, positions_bt, mask_btt
+                )
+            else:
+                x = layer(x, positions_bt, mask_btt)
+        return self.final_norm(x)
+
+    def __call__(
+        self,
+        tokens_bt: Int[Array, "B T"],
+        positions: Int[Array, "B T"] | None = None,
+        segment_ids: Int[Array, "B T"] | None = None,
+    ) -> Float[Array, "B T V"]:
+        """Teacher-forced logits. `segment_ids` packs several sequences in a row: a token attends
+        only to earlier tokens of its own segment, and positions restart per segment unless given.
+        """
+        return self.logits(self.hidden_states(tokens_bt, positions, segment_ids))
+
+    def decode(
+        self,
+        tokens_bt: Int[Array, "B T"],
+        cache: DecodeCache,
+        token_mask_bt: Bool[Array, "B T"] | None = None,
+    ) -> tuple[Float[Array, "B T V"], DecodeCache]:
+        """Run T new tokens per row through the cache (prefill when T > 1, a decode step when 1).
+
+        `token_mask_bt` marks real tokens (left-aligned); padding is neither stored nor attended.
+        Returns logits for every new token and the updated cache.
+        """
+        if token_mask_bt is None:
+            token_mask_bt = jnp.ones(tokens_bt.shape, dtype=bool)
+        cache, positions_bt = cache.begin_step(token_mask_bt)
+        x = self.embed_tokens(tokens_bt)
+        for i, layer in enumerate(self.layers):
+            q, k, v = layer.attn.project(layer.input_norm(x), positions_bt)
+            o, cache = cache.attend(i, q, k, v)
+            x = x + layer.attn.output(o).astype(x.dtype)
+            x = x + layer.mlp(layer.post_attn_norm(x)).astype(x.dtype)
+        cache = cache.end_step()
+        return self.logits(self.final_norm(x)), cache

@@ -1,0 +1,49 @@
+"""Tiny, prime-ish configurations so shape bugs surface, and exact tree comparisons."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+
+from sparserl_jax.models.config import ModelConfig
+from sparserl_jax.models.transformer import Transformer
+
+
+def tiny_model_config(**overrides) -> ModelConfig:
+    """A 2-layer GQA decoder small enough for CPU tests (vocab 67, D 48, 4 q / 2 kv heads)."""
+    base = dict(
+        vocab_size=67,
+        hidden_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=12,
+        intermediate_size=88,
+        rope_theta=10000.0,
+        qkv_bias=True,
+        family="qwen2",
+    )
+    base.update(overrides)
+    return ModelConfig(**base)
+
+
+def tiny_model(seed: int = 0, **overrides) -> Transformer:
+    return Transformer(tiny_model_config(**overrides), rngs=nnx.Rngs(seed))
+
+
+def assert_trees_equal(a, b, *, what: str = "tree") -> None:
+    """Bit-for-bit equality of two pytrees of arrays (NaNs compared by bit pattern)."""
+    la, ta = jax.tree_util.tree_flatten_with_path(a)
+    lb, tb = jax.tree_util.tree_flatten_with_path(b)
+    if ta != tb:
+        raise AssertionError(f"{what}: structures differ:\n{ta}\n{tb}")
+    for (path, x), (_, y) in zip(la, lb, strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        name = jax.tree_util.keystr(path)
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise AssertionError(f"{what}{name}: {x.shape}/{x.dtype} vs {y.shape}/{y.dtype}")
+        xb = x.reshape(-1).view(np.uint8) if x.size else x
+        yb = y.reshape(-1).view(np.uint8) if y.size else y
+        if not np.array_equal(xb, yb):
+            raise AssertionError(f"{what}{name}: values differ")

@@ -2,4 +2,6 @@
 
 from sparserl_jax.models.cache import DecodeCache, DenseKVCache
 from sparserl_jax.models.config import ModelConfig, RopeScaling
+from sparserl_jax.models.hf import CheckpointError, config_from_hf, from_hf, to_hf
+from sparserl_jax.models.tokenizer import CharTokenizer, HFTokenizer
 from sparserl_jax.models.transformer import Transformer

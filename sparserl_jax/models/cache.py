@@ -89,6 +89,7 @@ class DenseKVCache:
     ) -> tuple[jax.Array, DenseKVCache]:
         t = q_btnh.shape[1]
         s = self.capacity
+
         # Write the T new rows at each row's length; rows past the real count are padding and
         # sit beyond the new length, so they are masked now and overwritten later. Scatter with
         # mode="drop" (not dynamic_update_slice, which clamps the start and would overwrite

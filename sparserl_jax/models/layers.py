@@ -104,7 +104,10 @@ def gqa_attention(
     k = k_bskh.shape[2]
     q_btkgh = q_btnh.reshape(b, t, k, n // k, h)
     scores_bkgts = jnp.einsum(
-        "btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(q_btnh.dtype), preferred_element_type=jnp.float32
+        "btkgh,bskh->bkgts",
+        q_btkgh,
+        k_bskh.astype(q_btnh.dtype),
+        preferred_element_type=jnp.float32,
     )
     scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, -jnp.inf)
     max_bkgt1 = jnp.max(scores_bkgts, axis=-1, keepdims=True)

@@ -174,7 +174,9 @@ class Transformer(nnx.Module):
         dt = self.cfg.compute_dtype
         if self.cfg.tie_embeddings:
             w_vd = self.embed.embedding[...].astype(dt)
-            return jnp.einsum("btd,vd->btv", h_btd.astype(dt), w_vd, preferred_element_type=jnp.float32)
+            return jnp.einsum(
+                "btd,vd->btv", h_btd.astype(dt), w_vd, preferred_element_type=jnp.float32
+            )
         w_dv = self.lm_head.kernel[...].astype(dt)
         return jnp.einsum("btd,dv->btv", h_btd.astype(dt), w_dv, preferred_element_type=jnp.float32)
 

@@ -132,7 +132,10 @@ def test_clear_errors(tmp_path):
         from_hf(path)
 
     (path / "config.json").write_text(json.dumps(dict(cfg, intermediate_size=64)))
-    with pytest.raises(CheckpointError, match=r"mlp\.(gate|up|down)_proj\.weight: shape \(\d+, \d+\) in the checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"mlp\.(gate|up|down)_proj\.weight: shape \(\d+, \d+\) in the checkpoint",
+    ):
         from_hf(path)
 
     (path / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))

@@ -1,0 +1,306 @@
+"""Typed configuration: frozen dataclasses as the schema, YAML presets, dotted overrides.
+
+    cfg = load_config("configs/demo.yaml", ["model.dtype=float32", "generate.max_new_tokens=64"])
+
+- Every section is a frozen keyword-only dataclass that validates itself in `__post_init__`.
+- `from_dict` builds a dataclass from nested dicts and checks every value against the field's
+  type. An unknown key is an error naming the closest valid keys; a wrong type names the field,
+  the value and the expected type.
+- Overrides are `dotted.key=value`; the value is parsed as YAML (`3`, `true`, `null`, `[1, 2]`).
+- Floats also accept strings such as `1e-6`, which YAML 1.1 (PyYAML) reads as strings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import yaml
+
+from sparserl_jax.models.config import ModelConfig
+from sparserl_jax.parallel.sharding import MeshConfig
+
+
+class ConfigError(ValueError):
+    """A config value or key that does not fit the schema (the message names it)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# schema
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Where the model comes from and how it computes.
+
+    Attributes:
+      hf_dir: a local Hugging Face checkpoint directory (Llama-3, Qwen2/2.5, Qwen3). When set,
+        the architecture comes from its `config.json` and `arch` must be left out.
+      arch: the architecture of a randomly initialised model (when `hf_dir` is null). Its
+        dtype/param_dtype/remat fields are taken from this section, not from `arch`.
+      dtype: compute dtype. param_dtype: storage dtype of the (master) parameters.
+      remat: rematerialise blocks in the backward pass.
+      seed: initialisation seed of a random model.
+    """
+
+    hf_dir: str | None = None
+    arch: ModelConfig | None = None
+    dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    param_dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: bool = False
+    seed: int = 0
+
+    def __post_init__(self):
+        if (self.hf_dir is None) == (self.arch is None):
+            raise ConfigError("model: set exactly one of model.hf_dir and model.arch")
+
+    def model_config(self) -> ModelConfig:
+        """The resolved architecture (reads `config.json` when `hf_dir` is set)."""
+        if self.arch is not None:
+            return self.arch.replace(
+                dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat
+            )
+        import json
+        from pathlib import Path
+
+        from sparserl_jax.models.hf import config_from_hf
+
+        hf = json.loads((Path(self.hf_dir) / "config.json").read_text())
+        return config_from_hf(hf, dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizerConfig:
+    """`char`: the built-in character tokenizer (synthetic tasks). `hf`: a local `tokenizer.json`
+    from `path` (defaults to `model.hf_dir`), special ids from the checkpoint's config."""
+
+    kind: Literal["char", "hf"] = "char"
+    path: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """A plain generation job (`sparserl generate`)."""
+
+    prompts: tuple[str, ...] = ("1+2=",)
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"generate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ConfigError(f"generate.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"generate.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"generate.top_k must be >= 0, got {self.top_k}")
+        if not self.prompts:
+            raise ConfigError("generate.prompts is empty")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+    """The whole experiment. Later sections (rollout, rl, sync, data, train) join here."""
+
+    model: ModelSpec
+    mesh: MeshConfig = MeshConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    generate: GenerateConfig = GenerateConfig()
+    run_dir: str = "runs/default"
+
+
+# ---------------------------------------------------------------------------------------------
+# dict -> dataclass with type checking
+# ---------------------------------------------------------------------------------------------
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _convert(value: Any, tp: Any, where: str) -> Any:
+    """Check `value` against type `tp`, converting YAML forms (list -> tuple, '1e-6' -> float)."""
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        candidates = [a for a in args if a is not type(None)]
+        # A mapping can only be a dataclass and a list only a sequence: convert straight away so
+        # the error from inside (an unknown nested key, say) reaches the user unchanged.
+        if isinstance(value, Mapping):
+            candidates = [a for a in candidates if dataclasses.is_dataclass(a)] or candidates
+        if len(candidates) == 1:
+            return _convert(value, candidates[0], where)
+        for arg in candidates:
+            try:
+                return _convert(value, arg, where)
+            except ConfigError:
+                pass
+        raise ConfigError(
+            f"{where} = {value!r} ({type(value).__name__}) but expected {_type_name(tp)}"
+        )
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), [str(a) for a in allowed], n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"{where} = {value!r} is not {_type_name(tp)}{hint}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ConfigError(
+                f"{where} = {value!r} ({type(value).__name__}) but expected a mapping for "
+                f"{tp.__name__}"
+            )
+        return from_dict(tp, value, prefix=where)
+    if origin in (tuple, list, Sequence):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where} = {value!r} ({type(value).__name__}) but expected a list")
+        args = typing.get_args(tp)
+        item_tp = args[0] if args else Any
+        items = [_convert(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is not list else items
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        try:
+            return tp(value)
+        except ValueError:
+            allowed = [m.value for m in tp]
+            raise ConfigError(f"{where} = {value!r} is not one of {allowed}") from None
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where} = {value!r} (bool) but expected float")
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{where} = {value!r} ({type(value).__name__}) but expected float")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{where} = {value!r} ({type(value).__name__}) but expected int")
+    if tp in (bool, str):
+        if type(value) is tp:
+            return value
+        raise ConfigError(
+            f"{where} = {value!r} ({type(value).__name__}) but expected {tp.__name__}"
+        )
+    raise ConfigError(f"{where}: unsupported field type {tp!r}")
+
+
+def _hints(cls) -> dict[str, Any]:
+    import sparserl_jax.models.config as model_config_module
+
+    ns = {**vars(model_config_module), **globals()}
+    return typing.get_type_hints(cls, globalns=ns)
+
+
+def from_dict(cls, data: Mapping[str, Any], *, prefix: str = ""):
+    """Build dataclass `cls` from a nested mapping, checking names and types."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            valid = sorted(fields)
+            close = difflib.get_close_matches(str(key), valid, n=3, cutoff=0.5)
+            hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
+            raise ConfigError(f"unknown key {where!r}; {hint}valid keys here: {valid}")
+        kwargs[key] = _convert(value, hints[key], where)
+    missing = [
+        name
+        for name, f in fields.items()
+        if name not in kwargs
+        and f.default is dataclasses.MISSING
+        and f.default_factory is dataclasses.MISSING
+    ]
+    if missing:
+        where = prefix or cls.__name__
+        raise ConfigError(f"{where}: missing required keys {missing}")
+    try:
+        return cls(**kwargs)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass tree as plain dicts/lists (YAML-safe)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    return obj
+
+
+def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
+    """Apply `a.b.c=value` overrides to a nested dict (a copy); values are parsed as YAML."""
+    data = _deep_copy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override {item!r} has an empty key part")
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
+            node = child
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+    return data
+
+
+def _deep_copy(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _deep_copy(v) for k, v in data.items()}
+    if isinstance(data, list):
+        return [_deep_copy(v) for v in data]
+    return data
+
+
+def load_config(
+    path: str | os.PathLike | None, overrides: Sequence[str] = (), *, cls: type = Config
+):
+    """Read a YAML preset (or start from nothing), apply overrides, validate into `cls`."""
+    data: dict = {}
+    if path is not None:
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: top level must be a mapping, got {type(loaded).__name__}")
+        data = loaded or {}
+    try:
+        return from_dict(cls, apply_overrides(data, overrides))
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path is not None else str(e)) from None

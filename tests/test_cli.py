@@ -1,0 +1,21 @@
+"""`sparserl generate` end to end on the tiny preset, and its config errors."""
+
+import json
+
+from sparserl_jax.cli import main
+
+
+def test_generate_job(tmp_path, capsys):
+    code = main(
+        ["generate", "configs/tiny.yaml", f"run_dir={tmp_path}", "generate.max_new_tokens=4"]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["reload_max_abs_logit_diff"] == 0.0
+    assert summary["generated_tokens"] == 8
+    assert (tmp_path / "model" / "config.json").exists()
+
+
+def test_config_error_exit_code(capsys):
+    assert main(["generate", "configs/tiny.yaml", "model.arch.num_layerz=2"]) == 2
+    assert "did you mean 'num_layers'" in capsys.readouterr().err

@@ -8,7 +8,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 	# torch first, pinned to the CPU build, so transformers does not pull a CUDA torch.
 	$(PY) -m pip install "torch==2.13.0"
 	$(PY) -m pip install -e ".[test]"
@@ -17,10 +16,10 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q tests
+	$(PY) -m pytest -n 2 -q -p no:cacheprovider tests
 
 demo: $(STAMP)
-	$(PY) -m sparserl_jax.cli generate --config configs/tiny.yaml
+	$(PY) -m sparserl_jax.cli generate configs/demo.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .

@@ -1,0 +1,98 @@
+"""Orbax checkpoints: bit-exact sharded round trip, keep-N, corrupt-latest fallback, SIGTERM."""
+
+import os
+import shutil
+import signal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
+from sparserl_jax.parallel import MeshConfig, make_mesh
+from sparserl_jax.testing import assert_trees_equal
+
+
+def _state(seed: int):
+    mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))
+    k = jax.random.key(seed)
+    w = jax.device_put(
+        jax.random.normal(k, (8, 6)), NamedSharding(mesh, PartitionSpec("fsdp", "tensor"))
+    )
+    return {
+        "params": {"w": w, "b": jnp.arange(3, dtype=jnp.bfloat16) * seed},
+        "opt": {"count": jnp.asarray(seed, jnp.int32), "mu": jnp.full((4,), -0.0)},
+        "rng": jax.random.key_data(k),
+        "special": jnp.array([np.nan, np.inf, -np.inf, 1e-45], jnp.float32),
+    }
+
+
+def test_round_trip_bit_exact_and_sharded(tmp_path):
+    state = _state(1)
+    with CheckpointManager(tmp_path, keep=2) as ckpt:
+        ckpt.save(5, state, {"data": {"pos": 17}, "sync_version": 3})
+        ckpt.wait()
+        restored, meta = ckpt.restore(5, state)
+    assert_trees_equal(restored, state)
+    assert restored["params"]["w"].sharding == state["params"]["w"].sharding
+    assert meta == {"data": {"pos": 17}, "sync_version": 3, "step": 5}
+
+
+def test_keep_n_and_latest(tmp_path):
+    with CheckpointManager(tmp_path, keep=2) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, _state(step))
+        ckpt.wait()
+        assert ckpt.steps() == [2, 3]
+        restored, meta = ckpt.restore_latest(_state(0))
+    assert meta["step"] == 3
+    assert_trees_equal(restored, _state(3))
+
+
+def test_corrupt_latest_falls_back_with_warning(tmp_path):
+    with CheckpointManager(tmp_path, keep=3) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+        ckpt.wait()
+    # Truncate every file of the newest checkpoint's arrays to a third (a half-written copy).
+    latest = tmp_path / "checkpoints" / "2" / "state"
+    damaged = 0
+    for root, _, files in os.walk(latest):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "r+b") as f:
+                f.truncate(os.path.getsize(path) // 3)
+            damaged += 1
+    assert damaged
+    warning = pytest.warns(UserWarning, match="step 2 .* could not be restored")
+    with CheckpointManager(tmp_path, keep=3) as ckpt, warning:
+        restored, meta = ckpt.restore_latest(_state(0))
+    assert meta["step"] == 1
+    assert_trees_equal(restored, _state(1))
+
+
+def test_missing_checkpoint_dir_item(tmp_path):
+    with CheckpointManager(tmp_path) as ckpt:
+        ckpt.save(1, _state(1))
+        ckpt.save(2, _state(2))
+        ckpt.wait()
+    shutil.rmtree(tmp_path / "checkpoints" / "2" / "state")
+    with CheckpointManager(tmp_path) as ckpt, pytest.warns(UserWarning, match="step 2"):
+        _, meta = ckpt.restore_latest(_state(0))
+    assert meta["step"] == 1
+
+
+def test_empty_run_has_nothing_to_restore(tmp_path):
+    with CheckpointManager(tmp_path) as ckpt:
+        assert ckpt.restore_latest(_state(0)) is None
+
+
+def test_sigterm_sets_flag_and_restores_handler():
+    before = signal.getsignal(signal.SIGTERM)
+    with PreemptionGuard() as guard:
+        assert not guard.requested
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert guard.requested and guard.signal_received == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before

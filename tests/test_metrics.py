@@ -1,0 +1,33 @@
+"""Metrics JSONL rows, torn-line tolerance and the PNG plot."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sparserl_jax.metrics import MetricsWriter, plot_metrics, read_metrics
+
+
+def test_jsonl_rows_and_plot(tmp_path):
+    with MetricsWriter(tmp_path) as w:
+        for step in range(1, 4):
+            w.write(step, {"critic/score/mean": np.float32(step / 4), "dgg/fired": step == 2})
+        w.write(4, {"critic/score/mean": float("nan")})
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert rows[1]["critic/score/mean"] == 0.5 and rows[1]["dgg/fired"] is True
+    assert rows[3]["critic/score/mean"] == "nan"
+    # A torn last line (killed writer) is skipped.
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "critic/sco')
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) == 4
+    png = plot_metrics(tmp_path, tmp_path / "m.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(KeyError, match="no numeric metric named"):
+        plot_metrics(tmp_path, tmp_path / "x.png", ["nope"])
+
+
+def test_non_scalar_rejected(tmp_path):
+    with MetricsWriter(tmp_path) as w, pytest.raises(ValueError, match="scalars"):
+        w.write(1, {"x": np.zeros(3)})
+    assert json.loads((tmp_path / "metrics.jsonl").read_text() or "null") is None

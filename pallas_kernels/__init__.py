@@ -1,0 +1,25 @@
+"""Pallas kernels for the paged, compressible KV cache, one folder per op.
+
+Each op has `reference.py` (pure jnp: the specification and the CPU path), its kernels
+(`kernel_tpu.py`: Mosaic TPU; `kernel_gpu.py`: the Pallas Triton lowering, see the note there)
+and `api.py`, which dispatches (`_dispatch.resolve_impl`):
+
+- `paged_attention`: one decode query per row against paged K/V (GQA), optionally returning the
+  per-key probabilities H2O accumulates.
+- `window_scores`: SnapKV/R-KV importance, the last w queries against all kept keys.
+- `compaction`: gather each slot's kept tokens to the front of its pages.
+"""
+
+from pallas_kernels._dispatch import KERNEL_IMPL_ENV, Impl, resolve_impl
+from pallas_kernels.compaction.api import compact_pages
+from pallas_kernels.paged_attention.api import paged_decode_attention
+from pallas_kernels.window_scores.api import window_scores
+
+__all__ = [
+    "KERNEL_IMPL_ENV",
+    "Impl",
+    "compact_pages",
+    "paged_decode_attention",
+    "resolve_impl",
+    "window_scores",
+]

@@ -1,0 +1,95 @@
+"""Paged decode attention as a Pallas GPU kernel.
+
+GPU lowering: **Pallas Triton** (`jax.experimental.pallas.triton.CompilerParams`). The Triton
+backend of Pallas is deprecated from JAX 0.11; its successor is Mosaic GPU, which has no
+scalar-indexed page gather in its BlockSpec pipeline yet, so this kernel stays on Triton until it
+is ported (tracked in the report of issue 3). On a CPU it runs with `interpret=True`; it has not
+been run on a GPU yet. Triton wants power-of-two block extents (G, L, H) and dot tiles of at
+least 16: pad G / H on a real GPU as `jax.experimental.pallas.ops.gpu.paged_attention` does.
+
+One program per (row, kv head): the G query heads of the group walk the row's pages in order
+with an online softmax (flash-decoding without the split-K), optionally writing the raw logits so
+the caller can form per-key probabilities (H2O) with the returned log-sum-exp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+from jaxtyping import Array, Float, Int
+
+_NEG = -1e30  # finite: an all-masked page must not produce inf - inf
+
+
+def _kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *logit_refs, page_size, groups):
+    b, kh = pl.program_id(0), pl.program_id(1)
+    length = lens_ref[b]
+    q = q_ref[b, pl.ds(kh * groups, groups), :].astype(jnp.float32)  # [G, H]
+    h = q.shape[-1]
+
+    def body(p, carry):
+        m, den, acc = carry
+        page = pt_ref[b, p]
+        k = k_ref[page, :, kh, :].astype(jnp.float32)  # [L, H]
+        v = v_ref[page, :, kh, :].astype(jnp.float32)
+        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32)  # [G, L]
+        idx = p * page_size + jax.lax.broadcasted_iota(jnp.int32, s.shape, 1)
+        s = jnp.where(idx < length, s, -jnp.inf)
+        if logit_refs:
+            logit_refs[0][b, pl.ds(kh * groups, groups), pl.ds(p * page_size, page_size)] = s
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        pr = jnp.exp(s - m_new[:, None])
+        l_new = alpha * den + jnp.sum(pr, axis=1)
+        acc_new = alpha[:, None] * acc + jnp.dot(pr, v, preferred_element_type=jnp.float32)
+        return m_new, l_new, acc_new
+
+    init = (
+        jnp.full((groups,), _NEG, jnp.float32),
+        jnp.zeros((groups,), jnp.float32),
+        jnp.zeros((groups, h), jnp.float32),
+    )
+    num_pages = (length + page_size - 1) // page_size
+    m, den, acc = jax.lax.fori_loop(0, num_pages, body, init)
+    safe_l = jnp.where(den > 0, den, 1.0)
+    o_ref[b, pl.ds(kh * groups, groups), :] = acc / safe_l[:, None]
+    lse_ref[b, pl.ds(kh * groups, groups)] = m + jnp.log(safe_l)
+
+
+@functools.partial(jax.jit, static_argnames=("return_logits", "interpret", "num_warps"))
+def paged_decode_attention_gpu(
+    q_bnh: Float[Array, "B N H"],
+    k_pages: Float[Array, "P L K H"],
+    v_pages: Float[Array, "P L K H"],
+    page_table_bm: Int[Array, "B M"],
+    lengths_b: Int[Array, " B"],
+    *,
+    return_logits: bool = False,
+    interpret: bool = False,
+    num_warps: int = 4,
+) -> tuple[Float[Array, "B N H"], Float[Array, "B N"], Float[Array, "B N S"] | None]:
+    """Outputs `[B, N, H]` (fp32), log-sum-exp `[B, N]` and, if asked, raw logits `[B, N, S]`.
+
+    Logits past a row's length are unspecified (mask them, e.g. `probs_from_logits`).
+    """
+    b, n, _ = q_bnh.shape
+    _, page_size, kh, _ = k_pages.shape
+    s = page_table_bm.shape[1] * page_size
+    out_shape = [
+        jax.ShapeDtypeStruct(q_bnh.shape, jnp.float32),
+        jax.ShapeDtypeStruct((b, n), jnp.float32),
+    ]
+    if return_logits:
+        out_shape.append(jax.ShapeDtypeStruct((b, n, s), jnp.float32))
+    outs = pl.pallas_call(
+        functools.partial(_kernel, page_size=page_size, groups=n // kh),
+        out_shape=out_shape,
+        grid=(b, kh),
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret,
+    )(lengths_b, page_table_bm, q_bnh, k_pages, v_pages)
+    return outs[0], outs[1], outs[2] if return_logits else None

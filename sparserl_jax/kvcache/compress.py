@@ -1,0 +1,103 @@
+"""Compression between decode chunks: score, select, compact, free the emptied pages.
+
+`compress(cache, config)` is jittable. A row is compressed when it holds more than `budget`
+tokens and the batch step counter is a multiple of `interval` (Sparse-RL's `steps % 128`). Its
+kept tokens (see `policies.select_tokens`) are gathered into its front pages by the compaction
+kernel, its length becomes `budget` (its next absolute position does not change), and the pages
+past `ceil(budget / page_size)` go back on the free stack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool
+
+from pallas_kernels import compact_pages
+from sparserl_jax.kvcache import allocator
+from sparserl_jax.kvcache.config import CompressionConfig
+from sparserl_jax.kvcache.paged import PagedKVCache, cdiv_arr
+from sparserl_jax.kvcache.policies import policy_scores, select_tokens
+
+
+def should_compress(cache: PagedKVCache, config: CompressionConfig) -> Bool[Array, " B"]:
+    """Rows due for compression now: length > budget and the step counter on the interval."""
+    on_interval = (cache.steps % config.interval) == 0
+    return (cache.lengths_b > config.budget) & on_interval
+
+
+def compress(
+    cache: PagedKVCache, config: CompressionConfig, *, force: bool = False
+) -> PagedKVCache:
+    """Compress the rows that are due (every row above budget when `force`)."""
+    if config.policy == "none" or cache.capacity <= config.budget:
+        return cache  # no row can exceed the budget: statically a no-op
+    due_b = cache.lengths_b > config.budget
+    if not force:
+        due_b = should_compress(cache, config)
+    return jax.lax.cond(
+        jnp.any(due_b), lambda c: compress_rows(c, config, due_b), lambda c: c, cache
+    )
+
+
+def compress_rows(
+    cache: PagedKVCache, config: CompressionConfig, rows_b: Bool[Array, " B"]
+) -> PagedKVCache:
+    """Compress exactly the rows in `rows_b` (each must hold more than `budget` tokens)."""
+    keep_ybkj = select_tokens(policy_scores(cache, config), cache.lengths_b, config)
+    new_len_b = jnp.where(rows_b, config.budget, cache.lengths_b)
+    # Rows not compressed write nothing (compaction writes only j < its new length).
+    write_len_b = jnp.where(rows_b, config.budget, 0)
+    layers = cache.k_pages.shape[0]
+
+    def compact(pool):
+        return jnp.stack(
+            [
+                compact_pages(pool[y], cache.page_table, keep_ybkj[y], write_len_b, impl=cache.impl)
+                for y in range(layers)
+            ]
+        )
+
+    k_pages, v_pages = compact(cache.k_pages), compact(cache.v_pages)
+    attn_mass = None if cache.attn_mass is None else compact(cache.attn_mass)
+    stack, top, page_table, num_pages_b = allocator.release(
+        cache.free_stack,
+        cache.free_top,
+        cache.page_table,
+        cache.num_pages_b,
+        cdiv_arr(new_len_b, cache.page_size),
+    )
+    return dataclasses.replace(
+        cache,
+        k_pages=k_pages,
+        v_pages=v_pages,
+        attn_mass=attn_mass,
+        page_table=page_table,
+        num_pages_b=num_pages_b,
+        free_stack=stack,
+        free_top=top,
+        lengths_b=new_len_b,
+        evicted_b=cache.evicted_b + (cache.lengths_b - new_len_b),
+    )
+
+
+def release_slots(cache: PagedKVCache, done_b: Bool[Array, " B"]) -> PagedKVCache:
+    """Finished sequences give all their pages back; their slots start empty."""
+    keep_b = jnp.where(done_b, 0, cache.num_pages_b)
+    stack, top, page_table, num_pages_b = allocator.release(
+        cache.free_stack, cache.free_top, cache.page_table, cache.num_pages_b, keep_b
+    )
+    zero = jnp.zeros_like(cache.lengths_b)
+    return dataclasses.replace(
+        cache,
+        page_table=page_table,
+        num_pages_b=num_pages_b,
+        free_stack=stack,
+        free_top=top,
+        lengths_b=jnp.where(done_b, zero, cache.lengths_b),
+        next_pos_b=jnp.where(done_b, zero, cache.next_pos_b),
+        evicted_b=jnp.where(done_b, zero, cache.evicted_b),
+        overflow_b=cache.overflow_b & ~done_b,
+    )

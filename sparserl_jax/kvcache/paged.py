@@ -1,0 +1,311 @@
+"""The paged KV cache: page pools shared through one page table, following `DecodeCache`.
+
+Per layer a K and a V pool `[P, L, K, H]` (stacked over layers: `[layers, P, L, K, H]`); one page
+table `[B, M]` for all layers (a page id names the same page in every layer's pool), kept-token
+counts, and the next absolute position of each slot. Keys are stored after RoPE, so a kept key
+stays valid however far it is compacted; a new token's RoPE position is its absolute position
+(`next_pos`), never the compacted length. Only the kept count must agree between layers and KV
+heads, so per-sequence, per-layer and per-KV-head selections all fit the one table.
+
+Pages come from a jittable free stack (`allocator.py`) in `begin_step`, and go back in
+`compress` (emptied pages) and `release_slots` (finished sequences).
+
+Exhausted pool: a slot whose new tokens do not fit (no free page, or its page table is full)
+stores nothing from then on (until `release_slots`) and its sticky `overflow_b` flag is set;
+`check_overflow` raises a clear error on the host. Nothing is ever written to a page the slot
+does not own. Callers size the pool with `CompressionConfig.pages_per_slot` and check the flag
+after each chunk.
+
+Extra state the policies need, kept only when asked for:
+- `q_window`: the last w queries per layer and slot (SnapKV, R-KV), a ring indexed by
+  absolute position mod w.
+- `attn_mass`: the attention mass each stored key has received (H2O), paged like K/V so it is
+  compacted and freed with its token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+from pallas_kernels import paged_decode_attention
+from pallas_kernels._dispatch import Impl
+from pallas_kernels.paged_attention.reference import paged_attention_reference
+from sparserl_jax.kvcache import allocator
+from sparserl_jax.kvcache.config import cdiv
+
+_STATIC = {"static": True}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache:
+    """A paged, compressible KV cache for `B` slots (see the module docstring)."""
+
+    k_pages: jax.Array  # [layers, P, L, K, H]
+    v_pages: jax.Array  # [layers, P, L, K, H]
+    page_table: jax.Array  # int32 [B, M]; -1 where the slot holds no page
+    num_pages_b: jax.Array  # int32 [B]: pages each slot holds
+    lengths_b: jax.Array  # int32 [B]: tokens kept per slot
+    next_pos_b: jax.Array  # int32 [B]: absolute position of the slot's next token
+    new_counts_b: jax.Array  # int32 [B]: real tokens in the step in flight (0 between steps)
+    evicted_b: jax.Array  # int32 [B]: tokens evicted so far
+    overflow_b: jax.Array  # bool [B]: sticky, a step of this slot found no room
+    free_stack: jax.Array  # int32 [P]: stack[:free_top] are the free pages
+    free_top: jax.Array  # int32 []
+    steps: jax.Array  # int32 []: decode calls so far (one per `end_step`), batch-level
+    peak_pages: jax.Array  # int32 []: most pages ever in use at once
+    q_window: jax.Array | None  # [layers, B, w, N, H] or None
+    attn_mass: jax.Array | None  # fp32 [layers, P, L, K] or None
+    impl: Impl = dataclasses.field(default="auto", metadata=_STATIC)
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        num_layers: int,
+        batch: int,
+        num_pages: int,
+        page_size: int,
+        max_pages_per_slot: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_heads: int | None = None,
+        window: int = 0,
+        track_attention_mass: bool = False,
+        dtype: jnp.dtype = jnp.float32,
+        impl: Impl = "auto",
+    ) -> PagedKVCache:
+        """An empty cache; `window > 0` (with `num_heads`) records the last `window` queries."""
+        for name, value in (
+            ("num_layers", num_layers),
+            ("batch", batch),
+            ("num_pages", num_pages),
+            ("page_size", page_size),
+            ("max_pages_per_slot", max_pages_per_slot),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if window > 0 and num_heads is None:
+            raise ValueError("recording a query window needs num_heads")
+        pool = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        stack, top = allocator.init_free_stack(num_pages)
+        zeros_b = jnp.zeros((batch,), jnp.int32)
+        q_window = None
+        if window > 0:
+            q_window = jnp.zeros((num_layers, batch, window, num_heads, head_dim), dtype)
+        attn_mass = None
+        if track_attention_mass:
+            attn_mass = jnp.zeros(pool[:-1], jnp.float32)
+        return cls(
+            k_pages=jnp.zeros(pool, dtype),
+            v_pages=jnp.zeros(pool, dtype),
+            page_table=jnp.full((batch, max_pages_per_slot), -1, jnp.int32),
+            num_pages_b=zeros_b,
+            lengths_b=zeros_b,
+            next_pos_b=zeros_b,
+            new_counts_b=zeros_b,
+            evicted_b=zeros_b,
+            overflow_b=jnp.zeros((batch,), bool),
+            free_stack=stack,
+            free_top=top,
+            steps=jnp.int32(0),
+            peak_pages=jnp.int32(0),
+            q_window=q_window,
+            attn_mass=attn_mass,
+            impl=impl,
+        )
+
+    # ---- sizes -------------------------------------------------------------------------------
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[1]
+
+    @property
+    def window(self) -> int:
+        return 0 if self.q_window is None else self.q_window.shape[2]
+
+    @property
+    def capacity(self) -> int:
+        """S, the most tokens one slot can hold (`M * L`)."""
+        return self.page_table.shape[1] * self.page_size
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes one page occupies across all layers, K and V (plus H2O's mass if tracked)."""
+        layers, _, pl, kh, h = self.k_pages.shape
+        nbytes = 2 * layers * pl * kh * h * self.k_pages.dtype.itemsize
+        if self.attn_mass is not None:
+            nbytes += layers * pl * kh * 4
+        return nbytes
+
+    def pages_in_use(self) -> Int[Array, ""]:
+        return self.num_pages - self.free_top
+
+    # ---- DecodeCache protocol ----------------------------------------------------------------
+
+    def begin_step(self, token_mask_bt: Bool[Array, "B T"]) -> tuple[PagedKVCache, jax.Array]:
+        """Allocate the pages the new tokens need; return their absolute RoPE positions."""
+        t = token_mask_bt.shape[1]
+        new_b = jnp.sum(token_mask_bt.astype(jnp.int32), axis=1)
+        need_b = jnp.maximum(cdiv_arr(self.lengths_b + new_b, self.page_size) - self.num_pages_b, 0)
+        # An overflowed slot stays stopped until released: no later token lands after a gap.
+        need_b = jnp.where(self.overflow_b, 0, need_b)
+        page_table, num_pages_b, top, ok_b = allocator.allocate(
+            self.free_stack,
+            self.free_top,
+            self.page_table,
+            self.num_pages_b,
+            need_b,
+            max_new=cdiv(t, self.page_size) + 1,
+        )
+        positions_bt = self.next_pos_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        cache = dataclasses.replace(
+            self,
+            page_table=page_table,
+            num_pages_b=num_pages_b,
+            free_top=top,
+            # A slot that found no room stores nothing this step (flagged, never corrupted).
+            new_counts_b=jnp.where(ok_b & ~self.overflow_b, new_b, 0),
+            overflow_b=self.overflow_b | ~ok_b,
+            peak_pages=jnp.maximum(self.peak_pages, self.num_pages - top),
+        )
+        return cache, positions_bt
+
+    def attend(
+        self,
+        layer: int,
+        q_btnh: Float[Array, "B T N H"],
+        k_btkh: Float[Array, "B T K H"],
+        v_btkh: Float[Array, "B T K H"],
+    ) -> tuple[Float[Array, "B T N H"], PagedKVCache]:
+        """Store the new keys/values of `layer`, then attend over the slot's kept keys."""
+        b, t = q_btnh.shape[:2]
+        pl, p = self.page_size, self.num_pages
+        t_idx = jnp.arange(t, dtype=jnp.int32)
+        idx_bt = self.lengths_b[:, None] + t_idx[None, :]
+        valid_bt = t_idx[None, :] < self.new_counts_b[:, None]
+        col_bt = jnp.clip(idx_bt // pl, 0, self.page_table.shape[1] - 1)
+        page_bt = jnp.take_along_axis(self.page_table, col_bt, axis=1)
+        flat_bt = jnp.where(valid_bt & (page_bt >= 0), page_bt * pl + idx_bt % pl, p * pl)
+
+        def store(pool, new):
+            flat = pool[layer].reshape((p * pl,) + pool.shape[3:])
+            flat = flat.at[flat_bt].set(new.astype(pool.dtype), mode="drop")
+            return pool.at[layer].set(flat.reshape(pool.shape[1:]))
+
+        k_pages = store(self.k_pages, k_btkh)
+        v_pages = store(self.v_pages, v_btkh)
+        kv_len_b = self.lengths_b + self.new_counts_b
+        want_probs = self.attn_mass is not None
+        if t == 1:
+            out_bnh, probs_bns = paged_decode_attention(
+                q_btnh[:, 0],
+                k_pages[layer],
+                v_pages[layer],
+                self.page_table,
+                kv_len_b,
+                return_probs=want_probs,
+                impl=self.impl,
+            )
+            out_btnh = out_bnh[:, None]
+            probs_btns = None if probs_bns is None else probs_bns[:, None]
+        else:
+            # Prefill (several tokens per row) runs on the XLA path; the kernels cover decode.
+            out_btnh, probs_btns = paged_attention_reference(
+                q_btnh,
+                k_pages[layer],
+                v_pages[layer],
+                self.page_table,
+                idx_bt,
+                kv_len_b,
+                return_probs=want_probs,
+            )
+        cache = dataclasses.replace(self, k_pages=k_pages, v_pages=v_pages)
+        if self.q_window is not None:
+            cache = cache._record_queries(layer, q_btnh, valid_bt)
+        if want_probs:
+            cache = cache._accumulate_mass(layer, probs_btns, valid_bt, flat_bt, kv_len_b)
+        return out_btnh.astype(q_btnh.dtype), cache
+
+    def end_step(self) -> PagedKVCache:
+        return dataclasses.replace(
+            self,
+            lengths_b=self.lengths_b + self.new_counts_b,
+            next_pos_b=self.next_pos_b + self.new_counts_b,
+            new_counts_b=jnp.zeros_like(self.new_counts_b),
+            steps=self.steps + 1,
+        )
+
+    # ---- policy state ------------------------------------------------------------------------
+
+    def _record_queries(self, layer, q_btnh, valid_bt) -> PagedKVCache:
+        w = self.window
+        b, t = q_btnh.shape[:2]
+        t_idx = jnp.arange(t, dtype=jnp.int32)
+        pos_bt = self.next_pos_b[:, None] + t_idx[None, :]
+        # Only the last w real tokens are written, so no two writes hit the same ring slot.
+        keep_bt = valid_bt & (t_idx[None, :] >= self.new_counts_b[:, None] - w)
+        ring_bt = jnp.where(keep_bt, pos_bt % w, w)
+        rows_bt = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
+        qw = (
+            self.q_window[layer]
+            .at[rows_bt, ring_bt]
+            .set(q_btnh.astype(self.q_window.dtype), mode="drop")
+        )
+        return dataclasses.replace(self, q_window=self.q_window.at[layer].set(qw))
+
+    def _accumulate_mass(self, layer, probs_btns, valid_bt, flat_bt, kv_len_b) -> PagedKVCache:
+        b, t, n, s = probs_btns.shape
+        p, pl, kh = self.attn_mass.shape[1:]
+        g = n // kh
+        # H2O: each key's score is the attention it has received, summed over the query heads
+        # of its KV group and over the new (real) queries.
+        probs_btns = jnp.where(valid_bt[:, :, None, None], probs_btns, 0.0)
+        mass_bsk = jnp.sum(probs_btns.reshape(b, t, kh, g, s), axis=(1, 3)).transpose(0, 2, 1)
+        flat = self.attn_mass[layer].reshape(p * pl, kh)
+        flat = flat.at[flat_bt].set(0.0, mode="drop")  # recycled pages hold stale mass
+        j = jnp.arange(s, dtype=jnp.int32)
+        page_bs = jnp.take_along_axis(self.page_table, jnp.broadcast_to(j // pl, (b, s)), axis=1)
+        flat_bs = jnp.where(j[None, :] < kv_len_b[:, None], page_bs * pl + j[None, :] % pl, p * pl)
+        flat = flat.at[flat_bs].add(mass_bsk, mode="drop")
+        mass = self.attn_mass.at[layer].set(flat.reshape(p, pl, kh))
+        return dataclasses.replace(self, attn_mass=mass)
+
+    def window_queries(self, layer: int) -> tuple[Float[Array, "B W N H"], Int[Array, " B"]]:
+        """The last w queries of `layer`, oldest first, and how many of them are real."""
+        w = self.window
+        i_w = jnp.arange(w, dtype=jnp.int32)
+        ring_bw = (self.next_pos_b[:, None] - w + i_w[None, :]) % w
+        qw_bwnh = jnp.take_along_axis(self.q_window[layer], ring_bw[:, :, None, None], axis=1)
+        return qw_bwnh, jnp.minimum(self.next_pos_b, w)
+
+
+def cdiv_arr(a: jax.Array, b: int) -> jax.Array:
+    return (a + b - 1) // b
+
+
+class PoolExhaustedError(RuntimeError):
+    """A slot needed a page the pool (or its page table) could not give."""
+
+
+def check_overflow(cache: PagedKVCache) -> None:
+    """Raise `PoolExhaustedError` on the host if any slot ever ran out of pages."""
+    overflow = np.asarray(jax.device_get(cache.overflow_b))
+    if overflow.any():
+        slots = np.flatnonzero(overflow).tolist()
+        raise PoolExhaustedError(
+            f"KV page pool exhausted for slots {slots}: their tokens past that point were not "
+            f"stored. Pool: {cache.num_pages} pages of {cache.page_size} tokens, at most "
+            f"{cache.page_table.shape[1]} pages per slot; size it with "
+            "CompressionConfig.pages_per_slot or lower the batch."
+        )

@@ -1,0 +1,179 @@
+"""grain pipelines: examples -> (shard) -> shuffle -> repeat -> batch, with checkpointable state.
+
+    it = prompt_iterator(cfg)                 # a grain DatasetIterator of PromptBatch
+    batch = next(it)                          # batch.prompts, batch.answers, batch.examples
+    state = it.get_state()                    # a small JSON-able dict (save it in the checkpoint)
+    it = prompt_iterator(cfg, state=state)    # resumes: the next batches are exactly the same
+
+Determinism: a synthetic example is a pure function of `(seed, split, index)`; a file's examples
+are its valid rows in order; the order of rows is grain's index shuffle seeded by `cfg.seed`,
+reshuffled every epoch. Batches therefore depend only on the config and the position, never on
+threads or timing, which is what makes resume-equals-uninterrupted hold exactly.
+
+Multi-host: each process passes its `shard_index`/`shard_count` (e.g. `jax.process_index()` and
+`jax.process_count()`) and reads the rows `shard_index::shard_count`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import grain
+import numpy as np
+from jaxtyping import Bool, Int
+
+from sparserl_jax.data.arithmetic import make_arithmetic_example
+from sparserl_jax.data.config import DataConfig
+from sparserl_jax.data.countdown import make_countdown_example
+from sparserl_jax.data.files import load_file_examples
+from sparserl_jax.data.records import DataError, Example, LoadReport, PromptBatch, make_batch
+
+SPLITS: tuple[str, ...] = ("train", "eval")
+
+
+def example_source(cfg: DataConfig, *, split: str = "train") -> tuple[grain.MapDataset, LoadReport]:
+    """All examples of `split` as a random-access `grain.MapDataset[Example]`, and the load
+    report (empty for the generated tasks)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r} unknown; expected one of {SPLITS}")
+    if cfg.task == "arithmetic":
+        make = functools.partial(
+            make_arithmetic_example, cfg.arithmetic, seed=cfg.seed, split=split
+        )
+        n = cfg.arithmetic.num_examples
+    elif cfg.task == "countdown":
+        make = functools.partial(make_countdown_example, cfg.countdown, seed=cfg.seed, split=split)
+        n = cfg.countdown.num_examples
+    else:
+        path = cfg.path if split == "train" else cfg.eval_path
+        if path is None:
+            raise DataError(f"split 'eval' of task {cfg.task!r} needs data.eval_path")
+        examples, report = load_file_examples(cfg, path, split=split)
+        return grain.MapDataset.source(examples), report
+    return grain.MapDataset.range(n).map(lambda i: make(index=int(i))), LoadReport()
+
+
+def prompt_dataset(
+    cfg: DataConfig, *, split: str = "train", shard_index: int = 0, shard_count: int = 1
+) -> tuple[grain.IterDataset, LoadReport]:
+    """The batched pipeline (`grain.IterDataset[PromptBatch]`) and the source's load report."""
+    if not 0 <= shard_index < shard_count:
+        raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index}, {shard_count}")
+    ds, report = example_source(cfg, split=split)
+    if shard_count > 1:
+        ds = ds[shard_index::shard_count]
+    if len(ds) == 0:
+        raise DataError(f"shard {shard_index}/{shard_count} of the {split} data is empty")
+    if cfg.shuffle:
+        ds = ds.shuffle(seed=cfg.seed)
+    ds = ds.repeat(cfg.num_epochs)
+    ds = ds.batch(cfg.batch_size, drop_remainder=cfg.drop_remainder, batch_fn=make_batch)
+    if len(ds) == 0:
+        raise DataError(
+            f"{split} data has fewer rows ({report.kept or 'n/a'}) than one batch of "
+            f"{cfg.batch_size} with drop_remainder on"
+        )
+    options = grain.ReadOptions(num_threads=cfg.num_threads, prefetch_buffer_size=4)
+    return ds.to_iter_dataset(options), report
+
+
+def prompt_iterator(
+    cfg: DataConfig,
+    *,
+    split: str = "train",
+    state: Mapping[str, Any] | None = None,
+    shard_index: int = 0,
+    shard_count: int = 1,
+) -> grain.DatasetIterator:
+    """An iterator of `PromptBatch`; `get_state()` / `set_state()` checkpoint its position.
+
+    `state` (from an earlier `get_state()`) resumes where that iterator stood.
+    """
+    ds, _ = prompt_dataset(cfg, split=split, shard_index=shard_index, shard_count=shard_count)
+    it = iter(ds)
+    if state is not None:
+        it.set_state(dict(state))
+    return it
+
+
+def eval_examples(cfg: DataConfig, num: int | None = None) -> list[Example]:
+    """The first `num` (all when None) examples of the eval split, unshuffled: a fixed held-out
+    set for before/after reward numbers."""
+    ds, _ = example_source(cfg, split="eval")
+    n = len(ds) if num is None else min(num, len(ds))
+    return [ds[i] for i in range(n)]
+
+
+def sft_pairs(cfg: DataConfig, num: int, *, split: str = "train") -> list[tuple[str, str]]:
+    """`num` (prompt, ideal completion) pairs, unshuffled, for an SFT warm start.
+
+    Arithmetic completions carry the scratchpad; countdown's give a solution; GSM8K rows give
+    their `#### 42` reasoning text (rows without one are skipped).
+    """
+    ds, _ = example_source(cfg, split=split)
+    pairs: list[tuple[str, str]] = []
+    for i in range(len(ds)):
+        if len(pairs) == num:
+            break
+        ex = ds[i]
+        if ex.completion is not None:
+            pairs.append((ex.prompt, ex.completion))
+    if len(pairs) < num:
+        raise DataError(f"only {len(pairs)} {split} examples have an SFT completion, {num} asked")
+    return pairs
+
+
+def encode_prompts(
+    batch: PromptBatch | Sequence[Example], tokenizer, *, add_bos: bool = True
+) -> list[list[int]]:
+    """Token ids of each prompt (feed to `rollout.pad_prompts`)."""
+    examples = batch.examples if isinstance(batch, PromptBatch) else batch
+    return [tokenizer.encode(e.prompt, add_bos=add_bos) for e in examples]
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTBatch:
+    """Right-padded `prompt + completion + eos` sequences.
+
+    `loss_mask_bt[b, t]` is True where `tokens_bt[b, t]` is a completion token (or the eos) that
+    the model should predict: train on logits `[:, :-1]` against targets `tokens_bt[:, 1:]` with
+    `loss_mask_bt[:, 1:]`.
+    """
+
+    tokens_bt: Int[np.ndarray, "B T"]
+    loss_mask_bt: Bool[np.ndarray, "B T"]
+    lengths_b: Int[np.ndarray, " B"]
+
+
+def sft_batch(
+    pairs: Sequence[tuple[str, str]],
+    tokenizer,
+    *,
+    max_len: int,
+    add_bos: bool = True,
+    truncate: bool = False,
+) -> SFTBatch:
+    """Tokenise (prompt, completion) pairs into a `[B, max_len]` SFT batch.
+
+    A sequence longer than `max_len` is an error naming it unless `truncate`, which cuts it (and
+    so its eos: the model then never sees that sequence end).
+    """
+    tokens = np.full((len(pairs), max_len), tokenizer.pad_id, np.int32)
+    mask = np.zeros((len(pairs), max_len), bool)
+    lengths = np.zeros(len(pairs), np.int32)
+    for b, (prompt, completion) in enumerate(pairs):
+        p = tokenizer.encode(prompt, add_bos=add_bos)
+        c = tokenizer.encode(completion) + [tokenizer.eos_ids[0]]
+        seq = p + c
+        if len(seq) > max_len and not truncate:
+            raise ValueError(
+                f"SFT pair {b} ({prompt!r}) is {len(seq)} tokens, more than max_len={max_len}"
+            )
+        seq = seq[:max_len]
+        tokens[b, : len(seq)] = seq
+        mask[b, len(p) : len(seq)] = True
+        lengths[b] = len(seq)
+    return SFTBatch(tokens, mask, lengths)

@@ -1,0 +1,125 @@
+"""Verifiable rewards: the built-in ones per task, a user function by import path, batch scoring.
+
+A reward function here is `reward(example, completion) -> float`; `make_reward_fn(cfg)` returns
+the task's own (arithmetic, countdown, GSM8K numeric match) or, when `cfg.reward_fn` is set, the
+user's function, which is called as `fn(prompt, completion, answer) -> float` (all strings) and
+must return a finite real number.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+from jaxtyping import Float
+
+from sparserl_jax.data.arithmetic import arithmetic_reward
+from sparserl_jax.data.config import DataConfig
+from sparserl_jax.data.countdown import countdown_reward
+from sparserl_jax.data.extract import extract_predicted_number, parse_canonical
+from sparserl_jax.data.records import DataError, Example
+
+RewardFn = Callable[[Example, str], float]
+
+
+def gsm8k_reward(completion: str, answer: str, *, format_reward: float = 0.0) -> float:
+    """1.0 when the number extracted from `completion` (`extract.extract_predicted_number`)
+    equals the gold `answer` exactly; `format_reward` when a number was found but differs; else 0.
+    """
+    gold = parse_canonical(answer)
+    if gold is None:
+        raise DataError(f"gold answer {answer!r} is not a number")
+    predicted = extract_predicted_number(completion)
+    if predicted is None:
+        return 0.0
+    return 1.0 if predicted == gold else format_reward
+
+
+def task_reward(example: Example, completion: str, *, format_reward: float = 0.0) -> float:
+    """The built-in reward of `example.task`."""
+    if example.task == "arithmetic":
+        return arithmetic_reward(completion, example.answer, format_reward=format_reward)
+    if example.task == "countdown":
+        return countdown_reward(
+            completion, example.numbers, int(example.answer), format_reward=format_reward
+        )
+    if example.task == "gsm8k":
+        return gsm8k_reward(completion, example.answer, format_reward=format_reward)
+    raise ValueError(
+        f"no built-in reward for task {example.task!r}; expected arithmetic, countdown or gsm8k"
+    )
+
+
+def load_reward_fn(spec: str) -> Callable[..., object]:
+    """Import `package.module:function` (the name may be dotted: `module:Class.method`).
+
+    Raises `DataError` naming the spec when the module cannot be imported, the attribute does not
+    exist, or it is not callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise DataError(f"reward_fn must look like 'package.module:function', got {spec!r}")
+    try:
+        obj = importlib.import_module(module_name)
+    except ImportError as e:
+        raise DataError(
+            f"reward_fn {spec!r}: cannot import module {module_name!r} ({e}); is it on PYTHONPATH?"
+        ) from e
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise DataError(
+                f"reward_fn {spec!r}: {module_name!r} has no attribute {attr!r}"
+            ) from None
+    if not callable(obj):
+        raise DataError(f"reward_fn {spec!r} is a {type(obj).__name__}, not a callable")
+    return obj
+
+
+def _user_reward(fn: Callable[..., object], spec: str, example: Example, completion: str) -> float:
+    value = fn(example.prompt, completion, example.answer)
+    try:
+        reward = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        reward = math.nan
+    if isinstance(value, bool) or not math.isfinite(reward):
+        raise DataError(
+            f"reward_fn {spec!r} returned {value!r} for {example.source}; expected a finite float"
+        )
+    return reward
+
+
+def make_reward_fn(cfg: DataConfig) -> RewardFn:
+    """`reward(example, completion) -> float` for this config (the user's function if set)."""
+    if cfg.reward_fn is not None:
+        fn = load_reward_fn(cfg.reward_fn)
+        return functools.partial(_user_reward, fn, cfg.reward_fn)
+    return functools.partial(task_reward, format_reward=cfg.format_reward)
+
+
+def compute_rewards(
+    reward_fn: RewardFn,
+    examples: Sequence[Example],
+    completions: Sequence[str],
+    *,
+    group_size: int = 1,
+) -> Float[np.ndarray, " BG"]:
+    """Rewards of `B * G` completions, prompt-major: completion `j` answers `examples[j // G]`.
+
+    This is the order of a rollout that repeats each prompt `G` times in a row (GRPO groups).
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if len(completions) != len(examples) * group_size:
+        raise ValueError(
+            f"{len(completions)} completions for {len(examples)} examples x group_size "
+            f"{group_size}; expected {len(examples) * group_size}"
+        )
+    out = np.empty(len(completions), np.float32)
+    for j, completion in enumerate(completions):
+        out[j] = reward_fn(examples[j // group_size], completion)
+    return out

@@ -1,0 +1,143 @@
+"""Arithmetic with a scratchpad: hand-written completions, rewards, determinism, tokenizer cover."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparserl_jax.data import (
+    ArithmeticConfig,
+    arithmetic_reward,
+    make_arithmetic_example,
+    solve,
+)
+from sparserl_jax.models import CharTokenizer
+
+
+@pytest.mark.parametrize(
+    ("a", "op", "b", "result", "completion"),
+    [
+        (
+            23, "+", 58, 81,
+            "\n3+8+0=11, write 1 carry 1\n2+5+1=8, write 8 carry 0\nanswer: 81",
+        ),
+        (
+            95, "+", 7, 102,
+            "\n5+7+0=12, write 2 carry 1\n9+0+1=10, write 0 carry 1\nwrite 1\nanswer: 102",
+        ),
+        (
+            345, "-", 78, 267,
+            "\n5-8-0=-3, -3+10=7, write 7 borrow 1\n4-7-1=-4, -4+10=6, write 6 borrow 1"
+            "\n3-0-1=2, write 2 borrow 0\nanswer: 267",
+        ),
+        (
+            23, "-", 58, -35,
+            "\n23<58, so compute 58-23 and negate\n8-3-0=5, write 5 borrow 0"
+            "\n5-2-0=3, write 3 borrow 0\nanswer: -35",
+        ),
+        (23, "*", 45, 1035, "\n23*5=115\n23*40=920\n115+920=1035\nanswer: 1035"),
+        (7, "*", 0, 0, "\n7*0=0\nanswer: 0"),
+        (144, "/", 12, 12, "\n1/12=0 rem 1\n14/12=1 rem 2\n24/12=2 rem 0\nanswer: 12"),
+    ],
+)  # fmt: skip
+def test_solve_hand_written(a, op, b, result, completion):
+    assert solve(a, op, b) == (result, completion)
+
+
+def test_solve_rejects_inexact_division_and_bad_operator():
+    with pytest.raises(ValueError, match="exact"):
+        solve(7, "/", 2)
+    with pytest.raises(ValueError, match="exact"):
+        solve(7, "/", 0)
+    with pytest.raises(ValueError, match="operator"):
+        solve(7, "%", 2)
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    a=st.integers(0, 10**6),
+    b=st.integers(1, 10**4),
+    op=st.sampled_from(["+", "-", "*", "/"]),
+)
+def test_solve_answer_line_is_exact_result(a, b, op):
+    if op == "/":
+        a = a * b
+    expected = {"+": a + b, "-": a - b, "*": a * b, "/": a // b}[op]
+    result, completion = solve(a, op, b)
+    assert result == expected
+    assert completion.endswith(f"\nanswer: {expected}")
+    assert arithmetic_reward(completion, str(expected)) == 1.0
+
+
+@pytest.mark.parametrize(
+    ("completion", "fmt", "expected"),
+    [
+        ("\nanswer: 81", 0.0, 1.0),
+        ("\nsteps\nanswer: 81", 0.1, 1.0),  # correct scores 1.0, not 1.0 + format
+        ("\nanswer: 80", 0.0, 0.0),
+        ("\nanswer: 80", 0.1, 0.1),
+        ("\nanswer: 80\nanswer: 81", 0.1, 1.0),  # the last answer line counts
+        ("\nanswer: 81\nanswer: 80", 0.1, 0.1),
+        ("\nanswer: 081", 0.0, 1.0),
+        ("\nanswer: 81.0", 0.1, 0.0),  # not an integer: malformed
+        ("\nanswer: 8 1", 0.1, 0.0),
+        ("\nthe result is 81", 0.1, 0.0),
+        ("81", 0.1, 0.0),
+        ("", 0.1, 0.0),
+    ],
+)
+def test_arithmetic_reward_table(completion, fmt, expected):
+    assert arithmetic_reward(completion, "81", format_reward=fmt) == expected
+
+
+def test_arithmetic_reward_negative_answer():
+    assert arithmetic_reward("\nanswer: -35", "-35") == 1.0
+    assert arithmetic_reward("\nanswer: 35", "-35") == 0.0
+
+
+def test_examples_respect_difficulty_and_are_encodable():
+    tok = CharTokenizer()
+    cfg = ArithmeticConfig(min_digits=2, max_digits=4, operators=("+", "-", "*", "/"))
+    ops_seen = set()
+    for i in range(200):
+        ex = make_arithmetic_example(cfg, seed=5, split="train", index=i)
+        a, op, b = ex.prompt[:-1].partition(next(c for c in "+-*/" if c in ex.prompt[1:]))
+        ops_seen.add(op)
+        assert ex.prompt.endswith("=")
+        if op == "/":
+            assert 2 <= len(b) <= 4 and int(a) % int(b) == 0
+        else:
+            assert 2 <= len(a) <= 4 and 2 <= len(b) <= 4
+        assert arithmetic_reward(ex.completion, ex.answer) == 1.0
+        assert ex.completion.endswith(f"answer: {ex.answer}")
+        for text in (ex.prompt, ex.completion):
+            assert tok.unk_id not in tok.encode(text), text
+            assert tok.decode(tok.encode(text)) == text
+    assert ops_seen == {"+", "-", "*", "/"}
+
+
+def test_operator_subset_and_long_completions():
+    cfg = ArithmeticConfig(min_digits=3, max_digits=3, operators=("*",))
+    for i in range(20):
+        ex = make_arithmetic_example(cfg, seed=0, split="train", index=i)
+        assert "*" in ex.prompt
+        # 3 partial products + 2 sums + answer: the scratchpad is long next to the prompt
+        assert ex.completion.count("\n") == 6
+        assert len(ex.completion) > 3 * len(ex.prompt)
+
+
+def test_examples_are_a_pure_function_of_seed_split_index():
+    cfg = ArithmeticConfig(max_digits=4, operators=("+", "-", "*"))
+    one = [make_arithmetic_example(cfg, seed=1, split="train", index=i) for i in range(30)]
+    two = [make_arithmetic_example(cfg, seed=1, split="train", index=i) for i in range(30)]
+    assert one == two
+    other_seed = [make_arithmetic_example(cfg, seed=2, split="train", index=i) for i in range(30)]
+    eval_split = [make_arithmetic_example(cfg, seed=1, split="eval", index=i) for i in range(30)]
+    assert [e.prompt for e in one] != [e.prompt for e in other_seed]
+    assert [e.prompt for e in one] != [e.prompt for e in eval_split]
+    assert one[3].source == "arithmetic/train#3" and one[3].index == 3
+    with pytest.raises(ValueError, match="split"):
+        make_arithmetic_example(cfg, seed=1, split="test", index=0)
+
+
+def test_arithmetic_reward_survives_huge_integers():
+    assert arithmetic_reward("\nanswer: " + "9" * 5000, "81", format_reward=0.1) == 0.1

@@ -1,0 +1,58 @@
+"""RL maths and the learner: GRPO-family advantages and losses, the Sparse-RL correction,
+Dynamic Gradient Gating and the sharded learner step.
+
+Research code can import the pure functions into its own JAX loop:
+
+    from sparserl_jax.rl import grpo_advantages, ppo_clip_loss, aggregate_loss, sparse_rl_weights
+
+or use the whole sharded step: `Learner(model, LearnerConfig(), mesh=mesh)`.
+"""
+
+from sparserl_jax.rl.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    AdvantageEstimator,
+    compute_advantages,
+    dapo_advantages,
+    dapo_overlong_penalty,
+    dr_grpo_advantages,
+    dynamic_sampling_mask,
+    grpo_advantages,
+)
+from sparserl_jax.rl.config import LearnerConfig, LossConfig, OptimizerConfig
+from sparserl_jax.rl.correction import (
+    CorrectionMetrics,
+    SparseRLCorrection,
+    SparseRLCorrectionConfig,
+    sparse_rl_weights,
+)
+from sparserl_jax.rl.gating import (
+    DGGConfig,
+    DGGDecision,
+    DGGState,
+    GradientGate,
+    dynamic_gradient_gating,
+    lm_head_grad_energy,
+    lm_head_grad_energy_gram,
+)
+from sparserl_jax.rl.learner import (
+    Learner,
+    LearnerState,
+    RLBatch,
+    batch_logprobs,
+    train_step,
+)
+from sparserl_jax.rl.losses import (
+    AGGREGATIONS,
+    KL_ESTIMATORS,
+    Aggregation,
+    KLEstimator,
+    aggregate_loss,
+    aggregation_weights,
+    entropy_from_logits,
+    kl_penalty,
+    masked_mean,
+    ppo_clip_fraction,
+    ppo_clip_loss,
+    shifted_token_logprobs,
+    token_logprobs,
+)

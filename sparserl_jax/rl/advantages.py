@@ -1,0 +1,117 @@
+"""Group-relative advantages for the GRPO family.
+
+Rewards arrive flat, `[B]`, with the `G` samples of each prompt stored contiguously
+(`B = P * G`, prompt p owns rows `p*G .. p*G + G - 1`), which is how the rollout engine emits
+GRPO groups. Every function returns one advantage per sequence, `[B]`; the learner broadcasts it
+over the sequence's tokens.
+
+Advantages are computed over the *full* group, before any Sparse-RL rejection (ARCHITECTURE §7):
+rejecting a sample later removes its tokens from the loss, it never changes its siblings'
+advantages.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+AdvantageEstimator = Literal["grpo", "dr_grpo", "dapo"]
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo")
+
+
+def _groups(rewards_b: Float[Array, " B"], group_size: int) -> Float[Array, "P G"]:
+    if rewards_b.ndim != 1:
+        raise ValueError(f"rewards must be rank 1 [B], got shape {rewards_b.shape}")
+    if group_size < 1 or rewards_b.shape[0] % group_size:
+        raise ValueError(
+            f"group_size must be >= 1 and divide the batch; got group_size={group_size} "
+            f"for {rewards_b.shape[0]} rewards"
+        )
+    return rewards_b.astype(jnp.float32).reshape(-1, group_size)
+
+
+def _group_std(rewards_pg: Float[Array, "P G"], ddof: int) -> Float[Array, "P 1"]:
+    g = rewards_pg.shape[1]
+    if g - ddof <= 0:
+        # A group of one sample has no spread; its centred reward is 0 anyway.
+        return jnp.zeros((rewards_pg.shape[0], 1), jnp.float32)
+    return jnp.std(rewards_pg, axis=1, ddof=ddof, keepdims=True)
+
+
+def grpo_advantages(
+    rewards_b: Float[Array, " B"], *, group_size: int, eps: float = 1e-6, std_ddof: int = 1
+) -> Float[Array, " B"]:
+    """GRPO advantage `A_i = (R_i - mean_g R) / (std_g R + eps)` (Shao et al. 2024, DeepSeekMath).
+
+    `std_ddof=1` is the unbiased standard deviation that torch's `std` gives in verl / slime /
+    TRL (which Sparse-RL ran on); pass 0 for the population std. A group whose rewards are all
+    equal gets advantage 0 for every sample (0 / eps), so it contributes no policy gradient.
+    """
+    r_pg = _groups(rewards_b, group_size)
+    centred_pg = r_pg - jnp.mean(r_pg, axis=1, keepdims=True)
+    return (centred_pg / (_group_std(r_pg, std_ddof) + eps)).reshape(-1)
+
+
+def dr_grpo_advantages(rewards_b: Float[Array, " B"], *, group_size: int) -> Float[Array, " B"]:
+    """Dr.GRPO advantage `A_i = R_i - mean_g R` (Liu et al. 2025, "Understanding R1-Zero-Like
+    Training: A Critical Perspective"): no division by the group std, which biases GRPO towards
+    groups with low reward spread. Pair it with the `seq_mean_token_sum_norm` aggregation (no
+    per-sequence length normalisation).
+    """
+    r_pg = _groups(rewards_b, group_size)
+    return (r_pg - jnp.mean(r_pg, axis=1, keepdims=True)).reshape(-1)
+
+
+def dapo_advantages(
+    rewards_b: Float[Array, " B"], *, group_size: int, eps: float = 1e-6, std_ddof: int = 1
+) -> Float[Array, " B"]:
+    """DAPO advantage (Yu et al. 2025, "DAPO: An Open-Source LLM RL System at Scale").
+
+    DAPO keeps GRPO's group-normalised advantage `(R_i - mean_g R) / (std_g R + eps)`; what it
+    changes lives elsewhere: token-level loss aggregation (`token_mean`), clip-higher
+    (eps_low 0.2 / eps_high 0.28), dynamic sampling (`dynamic_sampling_mask`) and the soft
+    overlong penalty (`dapo_overlong_penalty`, added to the reward before this function).
+    """
+    return grpo_advantages(rewards_b, group_size=group_size, eps=eps, std_ddof=std_ddof)
+
+
+def dynamic_sampling_mask(rewards_b: Float[Array, " B"], *, group_size: int) -> Bool[Array, " B"]:
+    """DAPO dynamic sampling: True for samples whose group has at least two distinct rewards.
+
+    Groups that are all-correct or all-wrong have zero advantage and only dilute the batch; DAPO
+    drops them and samples more prompts.
+    """
+    r_pg = _groups(rewards_b, group_size)
+    informative_p = jnp.max(r_pg, axis=1) > jnp.min(r_pg, axis=1)
+    return jnp.repeat(informative_p, group_size)
+
+
+def dapo_overlong_penalty(
+    lengths_b: Int[Array, " B"], *, max_len: int, cache_len: int
+) -> Float[Array, " B"]:
+    """DAPO soft overlong punishment, added to the task reward.
+
+    `0` if `|y| <= L_max - L_cache`; `((L_max - L_cache) - |y|) / L_cache` inside the cache
+    band; `-1` beyond `L_max`.
+    """
+    if not 0 < cache_len < max_len:
+        raise ValueError(f"need 0 < cache_len < max_len, got cache_len={cache_len}, {max_len=}")
+    soft = max_len - cache_len
+    length = lengths_b.astype(jnp.float32)
+    penalty = (soft - length) / cache_len
+    return jnp.where(length <= soft, 0.0, jnp.where(length <= max_len, penalty, -1.0))
+
+
+def compute_advantages(
+    rewards_b: Float[Array, " B"], *, group_size: int, estimator: AdvantageEstimator = "grpo"
+) -> Float[Array, " B"]:
+    """Dispatch on the estimator name (`grpo`, `dr_grpo` or `dapo`)."""
+    if estimator == "grpo":
+        return grpo_advantages(rewards_b, group_size=group_size)
+    if estimator == "dr_grpo":
+        return dr_grpo_advantages(rewards_b, group_size=group_size)
+    if estimator == "dapo":
+        return dapo_advantages(rewards_b, group_size=group_size)
+    raise ValueError(f"unknown advantage estimator {estimator!r}; expected {ADVANTAGE_ESTIMATORS}")

@@ -1,0 +1,87 @@
+"""Learner-step throughput on a synthetic rollout batch (used by `tools/bench_learner.py`)."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from sparserl_jax.rl.advantages import grpo_advantages
+from sparserl_jax.rl.config import LearnerConfig
+from sparserl_jax.rl.learner import Learner, RLBatch
+
+
+def synthetic_batch(
+    *, batch: int, seq_len: int, prompt_len: int, vocab: int, group_size: int, seed: int = 0
+) -> RLBatch:
+    """Random tokens, full-length responses after `prompt_len`, binary rewards in GRPO groups,
+    and sampler logprobs to be offset from pi_old (see `benchmark_learner`)."""
+    if not 0 < prompt_len < seq_len:
+        raise ValueError(f"need 0 < prompt_len < seq_len, got {prompt_len=}, {seq_len=}")
+    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+    tokens = jax.random.randint(k1, (batch, seq_len), 0, vocab, dtype=jnp.int32)
+    mask = jnp.broadcast_to(jnp.arange(seq_len) >= prompt_len, (batch, seq_len))
+    rewards = jax.random.bernoulli(k2, 0.5, (batch,)).astype(jnp.float32)
+    return RLBatch(
+        tokens_bt=tokens,
+        mask_bt=mask,
+        advantages_b=grpo_advantages(rewards, group_size=group_size),
+        sampler_logp_bt=0.05 * jax.random.normal(k3, (batch, seq_len)),
+    )
+
+
+def benchmark_learner(
+    model: nnx.Module,
+    config: LearnerConfig,
+    batch: RLBatch,
+    *,
+    steps: int,
+    mesh: Mesh | None = None,
+) -> dict:
+    """Time `steps` learner updates after one compile step.
+
+    Returns tokens/s over all `B * T` positions the step runs forward and backward, the
+    response tokens/s (positions in the loss mask), step time, compile time and peak device
+    memory when the backend reports it.
+    """
+    learner = Learner(model, config, mesh=mesh)
+    state = learner.init(model)
+    old = learner.logprobs(state.params, batch.tokens_bt)
+    batch = batch._replace(old_logp_bt=old, sampler_logp_bt=old + batch.sampler_logp_bt)
+    passes = config.gating.max_passes
+
+    start = time.perf_counter()
+    state, metrics = learner.step(state, batch, 1)
+    jax.block_until_ready(metrics)
+    compile_s = time.perf_counter() - start
+
+    start = time.perf_counter()
+    for i in range(steps):
+        state, metrics = learner.step(state, batch, i % passes + 1)
+    jax.block_until_ready((state, metrics))
+    elapsed = time.perf_counter() - start
+
+    b, t = batch.tokens_bt.shape
+    response = int(np.asarray(batch.mask_bt).sum())
+    stats = jax.devices()[0].memory_stats() or {}
+    return {
+        "tokens_per_s": b * t * steps / elapsed,
+        "response_tokens_per_s": response * steps / elapsed,
+        "step_ms": 1e3 * elapsed / steps,
+        "compile_s": compile_s,
+        "steps": steps,
+        "batch": b,
+        "seq_len": t,
+        "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
+        "peak_bytes": stats.get("peak_bytes_in_use"),
+        "loss": float(metrics["loss"]),
+        "grad_norm": float(metrics["grad_norm"]),
+        # The same batch is reused for every step: late steps may have every token clipped.
+        "clip_fraction": float(metrics["clip_fraction"]),
+        "device": jax.devices()[0].device_kind,
+        "num_devices": 1 if mesh is None else mesh.size,
+    }

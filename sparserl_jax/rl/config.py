@@ -1,0 +1,166 @@
+"""Learner configuration: the policy loss, the optimizer and how a step is run.
+
+The Sparse-RL correction (`SparseRLCorrectionConfig`) and Dynamic Gradient Gating (`DGGConfig`)
+keep their configs next to their maths; `LearnerConfig` gathers all four.
+"""
+
+import dataclasses
+from typing import Literal
+
+import jax
+import optax
+
+from sparserl_jax.rl.correction import SparseRLCorrectionConfig
+from sparserl_jax.rl.gating import DGGConfig
+from sparserl_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS, Aggregation, KLEstimator
+
+Schedule = Literal["constant", "linear", "cosine"]
+SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossConfig:
+    """The per-token objective (ARCHITECTURE §7).
+
+    Attributes:
+      eps_low, eps_high: PPO clip range `[1 - eps_low, 1 + eps_high]` (DAPO: 0.2 / 0.28).
+      dual_clip: cap on the loss of negative-advantage tokens (`None`: off; verl uses 3).
+      aggregation: `token_mean` (DAPO), `seq_mean_token_mean` (GRPO), `seq_mean_token_sum_norm`
+        (Dr.GRPO).
+      max_response_len: Dr.GRPO's constant normaliser (the array width when None).
+      kl_coef: weight of KL(pi_theta || pi_ref); needs reference logprobs in the batch when > 0.
+      kl_estimator: k1, k2 or k3.
+      entropy_coef: entropy bonus (0: entropy is only reported).
+      temperature: sampling temperature; logprobs are `log softmax(logits / temperature)`.
+    """
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip: float | None = None
+    aggregation: Aggregation = "seq_mean_token_mean"
+    max_response_len: int | None = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    temperature: float = 1.0
+
+    def __post_init__(self):
+        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+            raise ValueError(
+                f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}"
+            )
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation {self.aggregation!r} unknown; expected {AGGREGATIONS}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"kl_estimator {self.kl_estimator!r} unknown; expected {KL_ESTIMATORS}"
+            )
+        if self.max_response_len is not None and self.max_response_len <= 0:
+            raise ValueError(f"max_response_len must be positive, got {self.max_response_len}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError(
+                f"coefficients must be >= 0, got {self.kl_coef=}, {self.entropy_coef=}"
+            )
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+
+    @classmethod
+    def grpo(cls, **overrides) -> "LossConfig":
+        return cls(**{"aggregation": "seq_mean_token_mean", **overrides})
+
+    @classmethod
+    def dr_grpo(cls, **overrides) -> "LossConfig":
+        return cls(**{"aggregation": "seq_mean_token_sum_norm", **overrides})
+
+    @classmethod
+    def dapo(cls, **overrides) -> "LossConfig":
+        return cls(**{"aggregation": "token_mean", "eps_low": 0.2, "eps_high": 0.28, **overrides})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with a learning-rate schedule (defaults: Sparse-RL's Adam, lr 1e-6, betas
+    (0.9, 0.98), weight decay 0.1). Weight decay skips vectors (biases, norm scales).
+
+    `schedule`: `constant`, `linear` (to `end_lr_ratio * lr` at `total_steps`) or `cosine`;
+    each starts with `warmup_steps` of linear warm-up from 0. Steps count applied updates.
+    """
+
+    learning_rate: float = 1e-6
+    schedule: Schedule = "constant"
+    warmup_steps: int = 0
+    total_steps: int = 1000
+    end_lr_ratio: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.98
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} unknown; expected one of {SCHEDULES}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if self.warmup_steps < 0 or self.total_steps <= self.warmup_steps:
+            raise ValueError(
+                f"need 0 <= warmup_steps < total_steps, got {self.warmup_steps}, {self.total_steps}"
+            )
+        if not (0 <= self.b1 < 1 and 0 <= self.b2 < 1):
+            raise ValueError(f"betas must be in [0, 1), got ({self.b1}, {self.b2})")
+        if self.max_grad_norm is not None and self.max_grad_norm <= 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+
+    def lr_schedule(self) -> optax.Schedule:
+        lr, warm = self.learning_rate, self.warmup_steps
+        end = lr * self.end_lr_ratio
+        if self.schedule == "cosine":
+            return optax.warmup_cosine_decay_schedule(0.0, lr, warm, self.total_steps, end)
+        if self.schedule == "linear":
+            main = optax.linear_schedule(lr, end, self.total_steps - warm)
+        else:
+            main = optax.constant_schedule(lr)
+        if warm == 0:
+            return main
+        return optax.join_schedules([optax.linear_schedule(0.0, lr, warm), main], [warm])
+
+    def build(self) -> optax.GradientTransformation:
+        """The optax transformation (clipping is done by the learner, before the gate)."""
+        return optax.adamw(
+            self.lr_schedule(),
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            weight_decay=self.weight_decay,
+            mask=_matrices,
+        )
+
+
+def _matrices(params):
+    # Decay weight matrices only: biases and norm scales are not decayed (Megatron, most LLM
+    # trainers).
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LearnerConfig:
+    """Everything the learner step needs.
+
+    `num_micro_batches` splits each batch for gradient accumulation (the batch must divide by
+    it times the number of data shards). The step is exact under accumulation: loss
+    denominators and Sparse-RL weights are computed on the whole batch first.
+    """
+
+    loss: LossConfig = dataclasses.field(default_factory=LossConfig)
+    correction: SparseRLCorrectionConfig = dataclasses.field(
+        default_factory=SparseRLCorrectionConfig
+    )
+    gating: DGGConfig = dataclasses.field(default_factory=DGGConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    num_micro_batches: int = 1
+
+    def __post_init__(self):
+        if self.num_micro_batches < 1:
+            raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")

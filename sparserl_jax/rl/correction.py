@@ -1,0 +1,217 @@
+"""Sparse-RL correction: rejection sampling and importance reweighting for sparse rollouts.
+
+Sparse-RL (Luo, Zhang et al., arXiv 2601.10079, ACL 2026) samples with a compressed KV cache, so
+the sampler mu (published weights + sparse attention) differs from the dense old policy pi_old
+that the learner recomputes by teacher forcing. The defaults below are those of the authors'
+release (`slime/examples/train_infer_mismatch_helper/mis.py` + `mis.yaml`; see
+`reference/sparse_rl.md` §2-3 and ARCHITECTURE.md §7):
+
+- `log rho_t = log pi_old(o_t) - log mu(o_t)`, clamped to +-20 before `exp`;
+- veto: a sequence is dropped when any of its response tokens has `rho_t < 1e-4`;
+- rejection: tokens with `rho_t` outside `[0.5, 1.5]` are masked (they leave both the numerator
+  and the denominator of the per-sequence mean, because the learner aggregates with `m'`);
+- reweighting: `w_t = min(rho_t, 1.5)`, divided by its mean over the batch's valid tokens under
+  the *original* mask, stop-gradient, multiplied into the per-token policy loss.
+
+Every part is switchable, and rejection / reweighting can act per token, per sequence
+(`rho = prod_t rho_t`) or on the geometric mean (`rho = exp(mean_t log rho_t)`), as in slime's
+`mis_level`. `SparseRLCorrectionConfig.naive()` is "naive sparse" (no correction) and
+`SparseRLCorrectionConfig.tis_only()` is truncated importance sampling alone.
+"""
+
+import dataclasses
+import math
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+CorrectionLevel = Literal["token", "sequence", "geometric"]
+CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SparseRLCorrectionConfig:
+    """Switches and bounds of the Sparse-RL correction (defaults: the authors' `mis.yaml`).
+
+    Attributes:
+      log_ratio_bound: `log rho` is clamped to +-this before `exp` (safety bound).
+      veto: reject a whole sequence if any response token has `rho_t < veto_threshold`.
+      veto_threshold: the veto ratio (1e-4: the sampler picked a token that the dense policy
+        finds 10^4 times less likely).
+      reject: mask tokens (or whole sequences, by `reject_level`) whose ratio is outside
+        `[reject_lower, reject_upper]`.
+      reject_level: `token`, `sequence` (product of ratios) or `geometric` (geometric mean).
+      reweight: multiply the per-token loss by the truncated importance weight.
+      reweight_level: level of the weight (`token`, `sequence` or `geometric`).
+      reweight_upper: truncation `w = min(rho, reweight_upper)` (TIS, Yao et al. 2025).
+      batch_normalize: divide the weights by their mean over the batch's valid tokens.
+    """
+
+    log_ratio_bound: float = 20.0
+    veto: bool = True
+    veto_threshold: float = 1e-4
+    reject: bool = True
+    reject_level: CorrectionLevel = "token"
+    reject_lower: float = 0.5
+    reject_upper: float = 1.5
+    reweight: bool = True
+    reweight_level: CorrectionLevel = "token"
+    reweight_upper: float = 1.5
+    batch_normalize: bool = True
+
+    def __post_init__(self):
+        for name in ("reject_level", "reweight_level"):
+            if getattr(self, name) not in CORRECTION_LEVELS:
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} is not supported; "
+                    f"expected one of {CORRECTION_LEVELS}"
+                )
+        if not self.log_ratio_bound > 0:
+            raise ValueError(f"log_ratio_bound must be > 0, got {self.log_ratio_bound}")
+        if not 0 < self.veto_threshold < 1:
+            raise ValueError(f"veto_threshold must be in (0, 1), got {self.veto_threshold}")
+        if not 0 <= self.reject_lower < self.reject_upper:
+            raise ValueError(
+                f"need 0 <= reject_lower < reject_upper, got [{self.reject_lower}, "
+                f"{self.reject_upper}]"
+            )
+        if not self.reweight_upper > 0:
+            raise ValueError(f"reweight_upper must be > 0, got {self.reweight_upper}")
+
+    @classmethod
+    def naive(cls) -> "SparseRLCorrectionConfig":
+        """ "Naive sparse": no veto, no rejection, no reweighting (weights 1, mask unchanged)."""
+        return cls(veto=False, reject=False, reweight=False, batch_normalize=False)
+
+    @classmethod
+    def tis_only(cls, *, upper: float = 1.5, batch_normalize: bool = False):
+        """Truncated importance sampling alone: `w = min(rho, upper)`, no veto, no rejection."""
+        return cls(
+            veto=False,
+            reject=False,
+            reweight=True,
+            reweight_upper=upper,
+            batch_normalize=batch_normalize,
+        )
+
+
+class CorrectionMetrics(NamedTuple):
+    """Scalars reported every step (over the valid tokens / sequences of the original mask).
+
+    `rejected_seq_fraction`: sequences left with no token (veto, sequence-level rejection, or every
+    token masked); `vetoed_seq_fraction`: sequences dropped by the veto alone;
+    `masked_token_fraction`: valid tokens removed from the loss for any reason; `rho_*`: the
+    clamped token ratio pi_old / mu; `mismatch_kl`: k3 estimate of KL(mu || pi_old),
+    mean of `rho - 1 - log rho`; `ess`: normalised effective sample size of the token ratios,
+    `(sum rho)^2 / (N sum rho^2)` in (0, 1].
+    """
+
+    rejected_seq_fraction: Float[Array, ""]
+    vetoed_seq_fraction: Float[Array, ""]
+    masked_token_fraction: Float[Array, ""]
+    rho_min: Float[Array, ""]
+    rho_mean: Float[Array, ""]
+    rho_max: Float[Array, ""]
+    mismatch_kl: Float[Array, ""]
+    ess: Float[Array, ""]
+
+
+class SparseRLCorrection(NamedTuple):
+    """`loss_mask_bt` is the corrected mask `m'`; `weights_bt` the stop-gradient importance
+    weights (0 at padding) to multiply into the per-token policy loss."""
+
+    loss_mask_bt: Float[Array, "B T"]
+    weights_bt: Float[Array, "B T"]
+    metrics: CorrectionMetrics
+
+
+def _level_log_ratio(
+    raw_bt: Float[Array, "B T"], m_bt: Float[Array, "B T"], level: str, bound: float
+) -> Float[Array, "B T"]:
+    """`log rho` at a level, broadcast to every token, clamped to +-bound."""
+    if level == "token":
+        out_bt = raw_bt
+    else:
+        sum_b1 = jnp.sum(raw_bt * m_bt, axis=1, keepdims=True)
+        if level == "geometric":
+            sum_b1 = sum_b1 / jnp.maximum(jnp.sum(m_bt, axis=1, keepdims=True), 1.0)
+        out_bt = jnp.broadcast_to(sum_b1, raw_bt.shape)
+    return jnp.clip(out_bt, -bound, bound)
+
+
+def sparse_rl_weights(
+    old_logp_bt: Float[Array, "B T"],
+    sampler_logp_bt: Float[Array, "B T"],
+    mask_bt: Bool[Array, "B T"] | Float[Array, "B T"],
+    config: SparseRLCorrectionConfig | None = None,
+) -> SparseRLCorrection:
+    """The Sparse-RL rejection mask and importance weights for one batch (see module docstring).
+
+    Args:
+      old_logp_bt: log pi_old of each sampled token (dense teacher forcing, old weights).
+      sampler_logp_bt: log mu of each sampled token, recorded by the (sparse) sampler.
+      mask_bt: response tokens that enter the loss (padding and prompt False).
+      config: which parts are on; `None` means the Sparse-RL defaults.
+
+    The batch mean used by `batch_normalize` runs over *this* whole batch: call it on the full
+    rollout batch, before splitting into micro-batches. Sequences with no valid token (empty
+    completions) are never vetoed and count in no fraction's denominator.
+    """
+    cfg = config or SparseRLCorrectionConfig()
+    m_bt = mask_bt.astype(jnp.float32)
+    valid_bt = m_bt > 0
+    # Padding may hold anything (even -inf); zero it so it never reaches exp or a sum.
+    raw_bt = jnp.where(
+        valid_bt, old_logp_bt.astype(jnp.float32) - sampler_logp_bt.astype(jnp.float32), 0.0
+    )
+    log_rho_bt = jnp.clip(raw_bt, -cfg.log_ratio_bound, cfg.log_ratio_bound)
+    rho_bt = jnp.exp(log_rho_bt)
+
+    keep_bt = m_bt
+    vetoed_b = jnp.zeros(m_bt.shape[0], bool)
+    if cfg.veto:
+        vetoed_b = jnp.any(valid_bt & (log_rho_bt < math.log(cfg.veto_threshold)), axis=1)
+        keep_bt = keep_bt * (~vetoed_b)[:, None].astype(jnp.float32)
+    if cfg.reject:
+        level_rho_bt = jnp.exp(
+            _level_log_ratio(raw_bt, m_bt, cfg.reject_level, cfg.log_ratio_bound)
+        )
+        in_range_bt = (level_rho_bt >= cfg.reject_lower) & (level_rho_bt <= cfg.reject_upper)
+        keep_bt = keep_bt * in_range_bt.astype(jnp.float32)
+
+    n_valid = jnp.sum(m_bt)
+    if cfg.reweight:
+        w_bt = jnp.minimum(
+            jnp.exp(_level_log_ratio(raw_bt, m_bt, cfg.reweight_level, cfg.log_ratio_bound)),
+            cfg.reweight_upper,
+        )
+    else:
+        w_bt = jnp.ones_like(m_bt)
+    if cfg.batch_normalize:
+        # Mean over the ORIGINAL mask, so rejected tokens still count (authors' code).
+        mean_w = jnp.sum(w_bt * m_bt) / jnp.maximum(n_valid, 1.0)
+        w_bt = w_bt / jnp.where(mean_w > 0, mean_w, 1.0)
+    w_bt = jax.lax.stop_gradient(w_bt * m_bt)
+    keep_bt = jax.lax.stop_gradient(keep_bt)
+
+    seq_valid_b = jnp.any(valid_bt, axis=1)
+    n_seq = jnp.maximum(jnp.sum(seq_valid_b.astype(jnp.float32)), 1.0)
+    emptied_b = seq_valid_b & ~jnp.any(keep_bt > 0, axis=1)
+    safe_n = jnp.maximum(n_valid, 1.0)
+    has_tokens = n_valid > 0
+    rho_sum = jnp.sum(rho_bt * m_bt)
+    metrics = CorrectionMetrics(
+        rejected_seq_fraction=jnp.sum(emptied_b.astype(jnp.float32)) / n_seq,
+        vetoed_seq_fraction=jnp.sum((vetoed_b & seq_valid_b).astype(jnp.float32)) / n_seq,
+        masked_token_fraction=jnp.sum(m_bt - keep_bt) / safe_n,
+        rho_min=jnp.where(has_tokens, jnp.min(jnp.where(valid_bt, rho_bt, jnp.inf)), 1.0),
+        rho_mean=jnp.where(has_tokens, rho_sum / safe_n, 1.0),
+        rho_max=jnp.where(has_tokens, jnp.max(jnp.where(valid_bt, rho_bt, -jnp.inf)), 1.0),
+        mismatch_kl=jnp.sum((rho_bt - 1.0 - log_rho_bt) * m_bt) / safe_n,
+        ess=jnp.where(
+            has_tokens, rho_sum**2 / (safe_n * jnp.maximum(jnp.sum(rho_bt**2 * m_bt), 1e-30)), 1.0
+        ),
+    )
+    return SparseRLCorrection(loss_mask_bt=keep_bt, weights_bt=w_bt, metrics=metrics)

@@ -1,0 +1,448 @@
+"""The learner step: PPO-clip on GRPO-family advantages, Sparse-RL correction, DGG, AdamW.
+
+One `jax.jit` per step, with explicit `NamedSharding`s on a (data, fsdp, tensor) mesh and the
+learner state donated. Inside it:
+
+1. the Sparse-RL correction and the loss denominators are computed on the *whole* batch
+   (they depend only on pi_old, mu and the masks), so gradient accumulation is exact;
+2. the batch is split into micro-batches and gradients are accumulated with `lax.scan`;
+3. the lm_head gradient energy is read before clipping (tied embeddings: only the output
+   projection's part, by differentiating the head's use of the shared matrix separately);
+4. non-finite gradients skip the step (counted); DGG may discard the update (counted);
+   otherwise gradients are clipped by global norm and AdamW is applied.
+
+Parameters are a pure dict of fp32 master weights taken from `nnx.split(model)`; the model's
+own config decides the compute dtype (bf16 for speed, fp32 for tests). Per-token arrays in a
+batch are aligned with `tokens_bt` (entry t is about token t; column 0 is never a response
+token), which is what the rollout engine records.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jaxtyping import Array, Bool, Float, Int
+
+from sparserl_jax.rl.config import LearnerConfig, LossConfig
+from sparserl_jax.rl.correction import sparse_rl_weights
+from sparserl_jax.rl.gating import (
+    DGGState,
+    GradientGate,
+    dynamic_gradient_gating,
+    lm_head_grad_energy,
+)
+from sparserl_jax.rl.losses import (
+    aggregation_weights,
+    entropy_from_logits,
+    kl_penalty,
+    ppo_clip_fraction,
+    ppo_clip_loss,
+    shifted_token_logprobs,
+)
+
+
+class RLBatch(NamedTuple):
+    """One rollout batch. `old_logp_bt` (pi_old) must be filled before a step: see
+    `Learner.logprobs`. `ref_logp_bt` is needed only when the KL coefficient is > 0."""
+
+    tokens_bt: Int[Array, "B T"]
+    mask_bt: Bool[Array, "B T"]
+    advantages_b: Float[Array, " B"]
+    sampler_logp_bt: Float[Array, "B T"]
+    old_logp_bt: Float[Array, "B T"] | None = None
+    ref_logp_bt: Float[Array, "B T"] | None = None
+
+
+class LearnerState(NamedTuple):
+    """Everything a step reads and writes (and a checkpoint must hold)."""
+
+    params: Any
+    opt_state: Any
+    gate: DGGState
+    step: Int[Array, ""]
+    nonfinite_steps: Int[Array, ""]
+    gate_fires: Int[Array, ""]
+
+
+def _with_embedding(params: dict, embedding_vd: jax.Array) -> dict:
+    return {**params, "embed": {**params["embed"], "embedding": embedding_vd}}
+
+
+def _split_micro(x: jax.Array, m: int) -> jax.Array:
+    # [B, ...] -> [M, B/M, ...] with micro-batch j = rows j, j + M, ...: a shard holding a
+    # contiguous block of rows keeps an equal share of every micro-batch, so no data moves.
+    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
+
+
+def _forward_logits(graphdef, params, head_w, tokens_bt, tied):
+    model = nnx.merge(graphdef, params)
+    h_btd = model.hidden_states(tokens_bt)
+    # Tied: the head reads its own copy of the shared matrix so that its gradient (the output
+    # projection's part, which DGG monitors) comes out separately; the learner adds it back.
+    head = nnx.merge(graphdef, _with_embedding(params, head_w)) if tied else model
+    return head.logits(h_btd)
+
+
+def _micro_loss(params, head_w, mb: dict, *, graphdef, loss_cfg: LossConfig, tied: bool):
+    logits_btv = _forward_logits(graphdef, params, head_w, mb["tokens"], tied)
+    temp = loss_cfg.temperature
+    logp_bt = shifted_token_logprobs(logits_btv, mb["tokens"], temperature=temp)
+    old_bt = mb["old_logp"]
+    pg_bt = ppo_clip_loss(
+        logp_bt,
+        old_bt,
+        mb["adv"],
+        eps_low=loss_cfg.eps_low,
+        eps_high=loss_cfg.eps_high,
+        dual_clip=loss_cfg.dual_clip,
+    )
+    pg_loss = jnp.sum(mb["pg_coef"] * pg_bt)
+    loss = pg_loss
+    ent_bt = jnp.pad(entropy_from_logits(logits_btv[:, :-1], temperature=temp), ((0, 0), (1, 0)))
+    tok_w = mb["tok_w"]
+    kl = jnp.zeros((), jnp.float32)
+    if "ref_logp" in mb:
+        kl_bt = kl_penalty(logp_bt, mb["ref_logp"], estimator=loss_cfg.kl_estimator)
+        loss = loss + loss_cfg.kl_coef * jnp.sum(mb["reg_coef"] * kl_bt)
+        kl = jnp.sum(tok_w * kl_bt)
+    if loss_cfg.entropy_coef > 0:
+        loss = loss - loss_cfg.entropy_coef * jnp.sum(mb["reg_coef"] * ent_bt)
+    ratio_bt = jnp.exp(jnp.clip(logp_bt - old_bt, -20.0, 20.0))
+    clip_bt = ppo_clip_fraction(
+        logp_bt, old_bt, mb["adv"], eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high
+    )
+    aux = {
+        "loss": loss,
+        "pg_loss": pg_loss,
+        "kl": kl,
+        "entropy": jnp.sum(tok_w * jax.lax.stop_gradient(ent_bt)),
+        "clip_fraction": jnp.sum(tok_w * clip_bt),
+        # k3 estimate of KL(pi_old || pi_theta): how far this pass has moved from pi_old.
+        "approx_kl": jnp.sum(tok_w * kl_penalty(old_bt, logp_bt, k3_clamp=None)),
+        "ratio_max": jnp.max(jnp.where(tok_w > 0, ratio_bt, 0.0)),
+    }
+    return loss, jax.lax.stop_gradient(aux)
+
+
+def train_step(
+    state: LearnerState,
+    batch: RLBatch,
+    pass_index: Int[Array, ""],
+    *,
+    graphdef: nnx.GraphDef,
+    config: LearnerConfig,
+    tx: optax.GradientTransformation,
+    gate: GradientGate,
+    tied: bool,
+    micro_sharding: NamedSharding | None = None,
+    param_shardings: Any = None,
+) -> tuple[LearnerState, dict[str, jax.Array]]:
+    """One pure learner update on `batch` (`pass_index`: 1-based reuse pass of this batch).
+
+    `micro_sharding` (the `[B]` batch sharding) and `param_shardings` pin the layouts of the
+    micro-batches and of the gradient accumulator when running on a mesh.
+    """
+    lcfg, m = config.loss, config.num_micro_batches
+    corr = sparse_rl_weights(
+        batch.old_logp_bt, batch.sampler_logp_bt, batch.mask_bt, config.correction
+    )
+    agg_bt, denom = aggregation_weights(
+        corr.loss_mask_bt, mode=lcfg.aggregation, max_len=lcfg.max_response_len
+    )
+    kept_bt = corr.loss_mask_bt
+    per_token = {
+        "tokens": batch.tokens_bt,
+        "old_logp": batch.old_logp_bt.astype(jnp.float32),
+        "adv": jnp.broadcast_to(batch.advantages_b.astype(jnp.float32)[:, None], kept_bt.shape),
+        "pg_coef": agg_bt * corr.weights_bt / denom,
+        "reg_coef": agg_bt / denom,
+        "tok_w": kept_bt / jnp.maximum(jnp.sum(kept_bt), 1.0),
+    }
+    if batch.ref_logp_bt is not None:
+        per_token["ref_logp"] = batch.ref_logp_bt.astype(jnp.float32)
+    micro = jax.tree.map(lambda x: _split_micro(x, m), per_token)
+    if micro_sharding is not None:
+        micro = jax.tree.map(
+            lambda x: jax.lax.with_sharding_constraint(
+                x, NamedSharding(micro_sharding.mesh, PartitionSpec(None, *micro_sharding.spec))
+            ),
+            micro,
+        )
+
+    params = state.params
+    head_w = params["embed"]["embedding"] if tied else None
+    grad_fn = jax.value_and_grad(
+        functools.partial(_micro_loss, graphdef=graphdef, loss_cfg=lcfg, tied=tied),
+        argnums=(0, 1),
+        has_aux=True,
+    )
+
+    def accumulate(carry, mb):
+        grads, head_grad, sums = carry
+        (_, aux), (g, hg) = grad_fn(params, head_w, mb)
+        grads = jax.tree.map(jnp.add, grads, g)
+        head_grad = head_grad + hg if tied else head_grad
+        ratio_max = jnp.maximum(sums["ratio_max"], aux["ratio_max"])
+        sums = {k: sums[k] + aux[k] for k in sums} | {"ratio_max": ratio_max}
+        return (grads, head_grad, sums), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    if param_shardings is not None:
+        # The accumulator is laid out like the parameters (never replicated).
+        zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
+    metric_names = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "ratio_max")
+    sums0 = {k: jnp.zeros((), jnp.float32) for k in metric_names}
+    head0 = jnp.zeros_like(head_w) if tied else jnp.zeros((), jnp.float32)
+    if tied and param_shardings is not None:
+        head0 = jax.lax.with_sharding_constraint(head0, param_shardings["embed"]["embedding"])
+    if m == 1:
+        # No loop for a single micro-batch: a length-1 scan costs seconds of XLA compile time.
+        (grads, head_grad, sums), _ = accumulate(
+            (zeros, head0, sums0), jax.tree.map(lambda x: x[0], micro)
+        )
+    else:
+        (grads, head_grad, sums), _ = jax.lax.scan(accumulate, (zeros, head0, sums0), micro)
+
+    # Under jit the sums below run over the sharded gradients as a whole: every device sees the
+    # same, globally reduced energy and norm, so all take the same gate / skip decision.
+    if tied:
+        energy = lm_head_grad_energy(head_grad)
+        grads = _with_embedding(grads, grads["embed"]["embedding"] + head_grad)
+    else:
+        energy = lm_head_grad_energy(grads["lm_head"]["kernel"])
+    grad_norm = optax.tree.norm(grads)
+    finite = jnp.isfinite(grad_norm) & jnp.isfinite(energy)
+
+    decision, gate_state = gate.update(energy, state.gate, pass_index)
+    fire = decision.fire & finite
+    apply = finite & ~fire
+
+    max_norm = config.optimizer.max_grad_norm
+    if max_norm is not None:
+        scale = jnp.minimum(1.0, max_norm / (grad_norm + 1e-6))
+        grads = jax.tree.map(lambda g: g * scale, grads)
+    updates, opt_state = tx.update(grads, state.opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+
+    # Selects keep the old bits exactly when the update is discarded or not finite.
+    def keep_old(new, old):
+        return jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
+
+    new_state = LearnerState(
+        params=keep_old(new_params, params),
+        opt_state=keep_old(opt_state, state.opt_state),
+        gate=jax.tree.map(lambda n, o: jnp.where(finite, n, o), gate_state, state.gate),
+        step=state.step + apply.astype(jnp.int32),
+        nonfinite_steps=state.nonfinite_steps + (~finite).astype(jnp.int32),
+        gate_fires=state.gate_fires + fire.astype(jnp.int32),
+    )
+    metrics = {
+        **sums,
+        "grad_norm": grad_norm,
+        "lr": jnp.asarray(config.optimizer.lr_schedule()(state.step), jnp.float32),
+        "applied": apply,
+        "nonfinite": ~finite,
+        "pass_index": pass_index,
+        "dgg/g": decision.energy,
+        "dgg/dg": decision.increment,
+        "dgg/z": decision.z,
+        "dgg/armed": decision.armed,
+        "dgg/fire": fire,
+        "dgg/stop_reuse": decision.stop_reuse | ~finite,
+        **{f"correction/{k}": v for k, v in corr.metrics._asdict().items()},
+    }
+    return new_state, metrics
+
+
+def batch_logprobs(
+    params, tokens_bt: Int[Array, "B T"], *, graphdef, temperature: float, num_micro_batches: int
+) -> Float[Array, "B T"]:
+    """Teacher-forced `log softmax(logits / T)` of every token (pi_old or pi_ref), aligned with
+    `tokens_bt`, computed micro-batch by micro-batch to bound the `[B, T, V]` logits."""
+    model = nnx.merge(graphdef, params)
+    micro = _split_micro(tokens_bt, num_micro_batches)
+    logp = jax.lax.map(
+        lambda t: shifted_token_logprobs(model(t), t, temperature=temperature), micro
+    )
+    b = tokens_bt.shape[0]
+    return jnp.swapaxes(logp, 0, 1).reshape(b, tokens_bt.shape[1])
+
+
+class Learner:
+    """Holds what is static about the learner (graph, config, optimizer, shardings) and the
+    jitted step; all state lives in `LearnerState`.
+
+        learner = Learner(model, LearnerConfig(), mesh=mesh)
+        state = learner.init(model)
+        batch = batch._replace(old_logp_bt=learner.logprobs(state.params, batch.tokens_bt))
+        state, metrics = learner.step(state, batch, pass_index=1)   # or learner.train_on_batch
+
+    With `mesh` (axes data / fsdp / tensor) parameters and optimizer moments are laid out by
+    `sparserl_jax.parallel`'s logical-axis rules and the batch is split over data x fsdp; with
+    no mesh everything runs on the default device.
+    """
+
+    def __init__(self, model: nnx.Module, config: LearnerConfig, *, mesh: Mesh | None = None):
+        self.config = config
+        self.mesh = mesh
+        self.graphdef, param_state = nnx.split(model)
+        params = nnx.to_pure_dict(param_state)
+        not_fp32 = [
+            jax.tree_util.keystr(p)
+            for p, x in jax.tree_util.tree_leaves_with_path(params)
+            if x.dtype != jnp.float32
+        ]
+        if not_fp32:
+            raise ValueError(
+                f"the learner keeps fp32 master weights, but {not_fp32[:3]} are not float32; "
+                "build the model with param_dtype='float32' (compute dtype may be bfloat16)"
+            )
+        self.tied = "lm_head" not in params
+        self.tx = config.optimizer.build()
+        self.gate = dynamic_gradient_gating(config.gating)
+        self._steps: dict[bool, Any] = {}
+        if mesh is None:
+            self.param_shardings = self.state_shardings = self._batch_sharding = None
+            self._rep = None
+        else:
+            from sparserl_jax.parallel import batch_sharding, state_shardings
+
+            self._rep = NamedSharding(mesh, PartitionSpec())
+            self._batch_sharding = batch_sharding
+            self.param_shardings = nnx.to_pure_dict(state_shardings(param_state, mesh))
+            abstract_opt = jax.eval_shape(self.tx.init, params)
+            opt_shardings = optax.tree_map_params(
+                self.tx,
+                lambda _, s: s,
+                abstract_opt,
+                self.param_shardings,
+                transform_non_params=lambda _: self._rep,
+                is_leaf=lambda x: isinstance(x, NamedSharding),
+            )
+            gate_shardings = jax.tree.map(lambda _: self._rep, self.gate.init())
+            rep = self._rep
+            self.state_shardings = LearnerState(
+                self.param_shardings, opt_shardings, gate_shardings, rep, rep, rep
+            )
+        lcfg = config.loss
+        logprobs = functools.partial(
+            batch_logprobs, graphdef=self.graphdef, temperature=lcfg.temperature
+        )
+        self._logprobs = jax.jit(logprobs, static_argnames="num_micro_batches")
+
+    # -- state -----------------------------------------------------------------------------
+
+    def init(self, model: nnx.Module) -> LearnerState:
+        """Fresh learner state from the model's current weights (copied: donation of the state
+        never invalidates the model's own arrays)."""
+        params = nnx.to_pure_dict(nnx.state(model))
+        gate = self.gate.init()
+        zero = jnp.zeros((), jnp.int32)
+
+        def build(p, g):
+            p = jax.tree.map(jnp.copy, p)
+            return LearnerState(p, self.tx.init(p), g, zero, zero, zero)
+
+        return jax.jit(build, out_shardings=self.state_shardings)(params, gate)
+
+    def model(self, params) -> nnx.Module:
+        """The NNX model holding `params` (for generation, export or evaluation)."""
+        return nnx.merge(self.graphdef, params)
+
+    # -- computations ----------------------------------------------------------------------
+
+    def _shard_batch(self, x):
+        if x is None or self.mesh is None:
+            return x
+        return jax.device_put(x, self._batch_sharding(self.mesh, x.ndim))
+
+    def logprobs(self, params, tokens_bt: Int[Array, "B T"]) -> Float[Array, "B T"]:
+        """Teacher-forced logprobs under `params` (pi_old before the first update on a batch;
+        the same function on reference weights gives pi_ref)."""
+        self._check_batch_size(tokens_bt.shape[0])
+        tokens_bt = self._shard_batch(jnp.asarray(tokens_bt, jnp.int32))
+        return self._logprobs(params, tokens_bt, num_micro_batches=self.config.num_micro_batches)
+
+    def _check_batch_size(self, b: int) -> None:
+        m = self.config.num_micro_batches
+        shards = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        if b % (m * shards):
+            raise ValueError(
+                f"batch size {b} must be a multiple of num_micro_batches ({m}) x data*fsdp "
+                f"shards ({shards})"
+            )
+
+    def _compiled_step(self, has_ref: bool):
+        if has_ref not in self._steps:
+            micro = None if self.mesh is None else self._batch_sharding(self.mesh, 1)
+            fn = functools.partial(
+                train_step,
+                graphdef=self.graphdef,
+                config=self.config,
+                tx=self.tx,
+                gate=self.gate,
+                tied=self.tied,
+                micro_sharding=micro,
+                param_shardings=self.param_shardings,
+            )
+            if self.mesh is None:
+                self._steps[has_ref] = jax.jit(fn, donate_argnums=0)
+            else:
+                bs = functools.partial(self._batch_sharding, self.mesh)
+                batch_shardings = RLBatch(
+                    bs(2), bs(2), bs(1), bs(2), bs(2), bs(2) if has_ref else None
+                )
+                self._steps[has_ref] = jax.jit(
+                    fn,
+                    in_shardings=(self.state_shardings, batch_shardings, self._rep),
+                    out_shardings=(self.state_shardings, self._rep),
+                    donate_argnums=0,
+                )
+        return self._steps[has_ref]
+
+    def step(
+        self, state: LearnerState, batch: RLBatch, pass_index: int = 1
+    ) -> tuple[LearnerState, dict[str, jax.Array]]:
+        """One update (the input state is donated: use the returned one)."""
+        if batch.old_logp_bt is None:
+            raise ValueError("batch.old_logp_bt is None: fill it with learner.logprobs first")
+        if self.config.loss.kl_coef > 0 and batch.ref_logp_bt is None:
+            raise ValueError(
+                f"kl_coef={self.config.loss.kl_coef} > 0 needs batch.ref_logp_bt (reference "
+                "logprobs); compute them with learner.logprobs(ref_params, tokens)"
+            )
+        if self.config.loss.kl_coef == 0:
+            batch = batch._replace(ref_logp_bt=None)
+        self._check_batch_size(batch.tokens_bt.shape[0])
+        batch = RLBatch(*(self._shard_batch(x) for x in batch))
+        step = self._compiled_step(batch.ref_logp_bt is not None)
+        return step(state, batch, jnp.asarray(pass_index, jnp.int32))
+
+    def train_on_batch(
+        self, state: LearnerState, batch: RLBatch
+    ) -> tuple[LearnerState, list[dict[str, np.ndarray]]]:
+        """Reuse one rollout batch for up to K passes, stopping when DGG fires (that pass's
+        update is discarded) or a step is not finite. pi_old is computed first if missing.
+        Returns the per-pass metrics; `len(result)` is the number of passes run.
+        """
+        if batch.old_logp_bt is None:
+            batch = batch._replace(old_logp_bt=self.logprobs(state.params, batch.tokens_bt))
+        history = []
+        for k in range(1, self.config.gating.max_passes + 1):
+            state, metrics = self.step(state, batch, k)
+            metrics = jax.tree.map(np.asarray, jax.device_get(metrics))
+            history.append(metrics)
+            if bool(metrics["dgg/stop_reuse"]):
+                break
+        passes_applied = int(sum(bool(m["applied"]) for m in history))
+        for m in history:
+            m["passes_run"] = np.int32(len(history))
+            m["passes_applied"] = np.int32(passes_applied)
+        return state, history

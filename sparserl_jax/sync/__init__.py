@@ -1,0 +1,34 @@
+"""PULSESync: lossless sparse bf16 weight patches from the trainer to sampler meshes.
+
+`Publisher` turns master trees into versioned patches/anchors (`codec`), a `Transport` carries
+them, and a `Receiver` validates and applies them bit-exactly on the sampler's devices.
+"""
+
+from sparserl_jax.sync.codec import CodecConfig, Patch, TensorPatch, TensorSpec, decode, encode
+from sparserl_jax.sync.errors import (
+    CorruptPatchError,
+    DuplicatePatchError,
+    MissingVersionError,
+    OutOfOrderPatchError,
+    SyncError,
+    TruncatedPatchError,
+    VersionError,
+)
+from sparserl_jax.sync.extract import LeafChanges, extract_changes
+from sparserl_jax.sync.mask import (
+    leaf_digests,
+    publish_bits,
+    to_bits,
+    visible_bitmap,
+    visible_delta,
+    visible_mask,
+)
+from sparserl_jax.sync.publisher import Published, Publisher, SyncConfig, leaf_names
+from sparserl_jax.sync.receiver import ApplyEvent, Receiver
+from sparserl_jax.sync.transport import (
+    InProcessTransport,
+    KvStoreTransport,
+    StreamClient,
+    StreamServer,
+    Transport,
+)

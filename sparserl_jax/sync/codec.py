@@ -1,0 +1,472 @@
+"""PULSESync patch codec: sparse bit-pattern patches and dense anchors as one byte string.
+
+Layout (full spec in `docs/sync_format.md`):
+
+    b"PSYN" | u32le header_len | blake2b-128(header) | header (JSON) | bucket 0 | bucket 1 | ...
+
+Each tensor is `unchanged`, `sparse` (sorted flat indices as gaps `idx[k] - idx[k-1] - 1`, stored
+at the narrowest width 1/2/4 bytes fitting the largest gap, plus values as the new bits or as
+`new ^ old`, which the receiver holds exactly) or `dense` (all bits; chosen when the sparse form
+would not be smaller, and for anchors). Multi-byte gaps and values are split into byte planes so
+that the mostly-zero high bytes compress (PULSE's "type downscaling", SparseRL-Sync's int16 gaps;
+XOR values as in HF TRL's proposals). Tensors are packed into buckets of about `bucket_bytes`;
+each bucket holds nine streams `g0..g3, v0..v3, d`, each optionally a zstd frame, and carries a
+blake2b-128 checksum of its stored bytes. The header carries the format version, base and new
+version, the tensor manifest with offsets, per-leaf digests and the digest of the whole new state.
+
+`decode` validates everything (structure, checksums, sizes, offsets, index ranges and order) and
+raises `CorruptPatchError`/`TruncatedPatchError` before returning anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from typing import Literal
+
+import numpy as np
+
+from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
+from sparserl_jax.sync.extract import LeafChanges
+
+MAGIC = b"PSYN"
+FORMAT_VERSION = 1
+PREFIX_BYTES = 4 + 4 + 16
+STREAMS = ("g0", "g1", "g2", "g3", "v0", "v1", "v2", "v3", "d")
+GAP_WIDTHS = (1, 2, 4)
+ITEMSIZES = {"bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
+             "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
+             "int32": 4, "uint32": 4, "float32": 4}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CodecConfig:
+    """How patches are encoded.
+
+    Attributes:
+      bucket_bytes: raw (pre-compression) bytes per bucket; a tensor never spans buckets.
+      compression: "zstd" (each stream one zstd frame) or "none".
+      zstd_level: zstd level (1..22); 1, as grail: on these byte planes level 3 is ~3x slower and
+        no smaller.
+      values: "auto" (per tensor, the smaller of new bits and XOR by measured byte-plane entropy),
+        "new" or "xor".
+    """
+
+    bucket_bytes: int = 64 << 20
+    compression: Literal["zstd", "none"] = "zstd"
+    zstd_level: int = 1
+    values: Literal["auto", "new", "xor"] = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {self.bucket_bytes!r}")
+        if self.compression not in ("zstd", "none"):
+            raise ValueError(f"compression {self.compression!r} unknown; expected zstd or none")
+        if not 1 <= self.zstd_level <= 22:
+            raise ValueError(f"zstd_level must be in 1..22, got {self.zstd_level}")
+        if self.values not in ("auto", "new", "xor"):
+            raise ValueError(f"values {self.values!r} unknown; expected auto, new or xor")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """Name, global shape and published dtype name of one leaf."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def itemsize(self) -> int:
+        return ITEMSIZES[self.dtype]
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorPatch:
+    """A decoded, validated tensor entry. `bits` are values (new or XOR) or the dense array."""
+
+    spec: TensorSpec
+    encoding: Literal["unchanged", "sparse", "dense"]
+    index: np.ndarray | None = None
+    bits: np.ndarray | None = None
+    xor: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """A decoded patch: header fields plus one `TensorPatch` per manifest entry (in order)."""
+
+    kind: Literal["patch", "anchor"]
+    base_version: int | None
+    new_version: int
+    state_digest: str
+    leaf_digests: dict[str, np.ndarray]
+    tensors: dict[str, TensorPatch]
+
+
+def _uint(size: int) -> np.dtype:
+    return np.dtype(f"<u{size}")
+
+
+def state_digest(specs: Sequence[TensorSpec], leaf_digests: Mapping[str, np.ndarray]) -> str:
+    """blake2b-128 over every leaf's name, dtype, shape and two digest lanes, in manifest order."""
+    h = hashlib.blake2b(digest_size=16)
+    for s in specs:
+        lanes = np.asarray(leaf_digests[s.name], np.uint32)
+        h.update(f"{s.name}|{s.dtype}|{','.join(map(str, s.shape))}|".encode())
+        h.update(lanes.astype("<u4").tobytes())
+    return h.hexdigest()
+
+
+def _planes(x: np.ndarray, width: int) -> list[np.ndarray]:
+    """Little-endian byte planes of a uint array: plane p holds byte p of every element."""
+    b = np.ascontiguousarray(x.astype(_uint(width), copy=False)).view(np.uint8)
+    return [b[p::width] for p in range(width)]
+
+
+def _unplane(planes: Sequence[np.ndarray], width: int) -> np.ndarray:
+    out = np.empty((planes[0].size, width), np.uint8)
+    for p, plane in enumerate(planes):
+        out[:, p] = plane
+    return out.reshape(-1).view(_uint(width))
+
+
+def _entropy_bytes(planes: Sequence[np.ndarray], sample: int = 1 << 16) -> float:
+    """Zeroth-order entropy of each byte plane, in bytes: what an entropy coder can reach.
+
+    Estimated from an evenly strided sample of at most `sample` bytes per plane.
+    """
+    total = 0.0
+    for plane in planes:
+        counts = np.bincount(plane[:: max(1, plane.size // sample)], minlength=256)
+        p = counts[counts > 0] / counts.sum()
+        total += float(-(p * np.log2(p)).sum()) * plane.size / 8
+    return total
+
+
+def _gap_width(max_gap: int) -> int:
+    for w in GAP_WIDTHS:
+        if max_gap < 1 << (8 * w):
+            return w
+    raise ValueError(f"gap {max_gap} needs more than 4 bytes")
+
+
+def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig) -> str:
+    """New bits or XOR: with no entropy stage both cost `itemsize` bytes, so send new bits."""
+    if config.values != "auto":
+        return config.values
+    if config.compression == "none":
+        return "new"
+    new_b = _entropy_bytes(_planes(ch.new, itemsize))
+    xor_b = _entropy_bytes(_planes(ch.delta, itemsize))
+    return "xor" if xor_b < new_b else "new"
+
+
+def _compressor(cfg: CodecConfig):
+    if cfg.compression == "none":
+        return None
+    import zstandard
+
+    return zstandard.ZstdCompressor(level=cfg.zstd_level)
+
+
+def encode(
+    *,
+    kind: Literal["patch", "anchor"],
+    base_version: int | None,
+    new_version: int,
+    specs: Sequence[TensorSpec],
+    changes: Mapping[str, LeafChanges] | None,
+    dense_bits: Callable[[str], np.ndarray],
+    leaf_digests: Mapping[str, np.ndarray],
+    config: CodecConfig,
+) -> bytes:
+    """Encode one patch (`changes` per leaf) or anchor (`changes=None`: every leaf dense).
+
+    `dense_bits(name)` returns a leaf's full new bits on the host; it is called only for leaves
+    sent dense. `leaf_digests` are the per-leaf digests of the new published state.
+    """
+    if kind == "anchor" and (changes is not None or base_version is not None):
+        raise ValueError("an anchor has no base_version and no changes")
+    if kind == "patch" and (changes is None or base_version is None):
+        raise ValueError("a patch needs base_version and changes")
+    entries: list[tuple[dict, dict[str, list[np.ndarray]]]] = []
+    for s in specs:
+        entry: dict = {"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
+        streams: dict[str, list[np.ndarray]] = {}
+        ch = None if changes is None else changes[s.name]
+        sparse = None
+        if ch is not None and ch.count == 0:
+            entry["encoding"] = "unchanged"
+        elif ch is not None and ch.count * (1 + s.itemsize) < s.numel * s.itemsize:
+            gaps = np.diff(ch.index, prepend=-1) - 1
+            width = _gap_width(int(gaps.max()))
+            if ch.count * (width + s.itemsize) < s.numel * s.itemsize:
+                sparse = (gaps, width)
+        if sparse is not None:
+            gaps, width = sparse
+            mode = _value_mode(ch, s.itemsize, config)
+            vals = ch.delta if mode == "xor" else ch.new
+            entry.update(encoding="sparse", nnz=ch.count, gap_width=width, values=mode)
+            for p, plane in enumerate(_planes(gaps, width)):
+                streams[f"g{p}"] = [plane]
+            for p, plane in enumerate(_planes(vals, s.itemsize)):
+                streams[f"v{p}"] = [plane]
+        elif entry.get("encoding") is None:
+            dense = np.asarray(dense_bits(s.name))
+            if dense.shape != s.shape or dense.dtype.itemsize != s.itemsize:
+                raise ValueError(f"dense bits of {s.name}: {dense.shape}/{dense.dtype} != {s}")
+            entry["encoding"] = "dense"
+            streams["d"] = [np.ascontiguousarray(dense.astype(_uint(s.itemsize))).view(np.uint8)]
+        entry["digest"] = [int(v) for v in np.asarray(leaf_digests[s.name], np.uint32)]
+        entries.append((entry, streams))
+
+    cctx = _compressor(config)
+    buckets_meta, bucket_blobs = [], []
+    manifest: list[dict] = []
+
+    def flush(group):
+        raw = {k: [] for k in STREAMS}
+        for entry, streams in group:
+            for k, chunks in streams.items():
+                offset = sum(c.size for c in raw[k])
+                raw[k].extend(chunks)
+                entry.setdefault("offsets", {})[k] = offset
+            entry["bucket"] = len(buckets_meta)
+            manifest.append(entry)
+        stored, sizes = [], []
+        for k in STREAMS:
+            data = b"".join(c.tobytes() for c in raw[k])
+            comp = data if cctx is None or not data else cctx.compress(data)
+            stored.append(comp)
+            sizes.append([len(comp), len(data)])
+        blob = b"".join(stored)
+        buckets_meta.append(
+            {
+                "size": len(blob),
+                "streams": sizes,
+                "checksum": hashlib.blake2b(blob, digest_size=16).hexdigest(),
+            }
+        )
+        bucket_blobs.append(blob)
+
+    group, group_bytes = [], 0
+    for entry, streams in entries:
+        nbytes = sum(c.size for chunks in streams.values() for c in chunks)
+        if group and group_bytes + nbytes > config.bucket_bytes:
+            flush(group)
+            group, group_bytes = [], 0
+        group.append((entry, streams))
+        group_bytes += nbytes
+    if group:
+        flush(group)
+
+    header = {
+        "format": FORMAT_VERSION,
+        "kind": kind,
+        "base_version": base_version,
+        "new_version": new_version,
+        "compression": config.compression,
+        "state_digest": state_digest(specs, leaf_digests),
+        "tensors": manifest,
+        "buckets": buckets_meta,
+    }
+    hbytes = json.dumps(header, separators=(",", ":")).encode()
+    hsum = hashlib.blake2b(hbytes, digest_size=16).digest()
+    return b"".join([MAGIC, struct.pack("<I", len(hbytes)), hsum, hbytes, *bucket_blobs])
+
+
+def read_header(blob: bytes) -> dict:
+    """Parse and checksum the header only (cheap: used to route a patch before decoding it)."""
+    if len(blob) < PREFIX_BYTES:
+        raise TruncatedPatchError(
+            f"patch has {len(blob)} bytes, fewer than the {PREFIX_BYTES}-byte prefix"
+        )
+    if blob[:4] != MAGIC:
+        raise CorruptPatchError(f"bad magic {bytes(blob[:4])!r}; expected {MAGIC!r}")
+    (hlen,) = struct.unpack("<I", blob[4:8])
+    if len(blob) < PREFIX_BYTES + hlen:
+        raise TruncatedPatchError(
+            f"patch has {len(blob)} bytes but its header needs {PREFIX_BYTES + hlen}"
+        )
+    hbytes = bytes(blob[PREFIX_BYTES : PREFIX_BYTES + hlen])
+    if hashlib.blake2b(hbytes, digest_size=16).digest() != blob[8:24]:
+        raise CorruptPatchError("header checksum mismatch")
+    try:
+        header = json.loads(hbytes)
+    except ValueError as e:
+        raise CorruptPatchError(f"header is not valid JSON: {e}") from e
+    if header.get("format") != FORMAT_VERSION:
+        raise CorruptPatchError(
+            f"format version {header.get('format')!r}; this reader knows {FORMAT_VERSION}"
+        )
+    if header.get("kind") not in ("patch", "anchor"):
+        raise CorruptPatchError(f"kind {header.get('kind')!r}; expected patch or anchor")
+    return header
+
+
+def _check(cond: bool, msg: str) -> None:
+    if not cond:
+        raise CorruptPatchError(msg)
+
+
+def _parse_spec(entry: dict, i: int) -> TensorSpec:
+    _check(isinstance(entry, dict), f"manifest entry {i} is not an object")
+    name, shape, dtype = entry.get("name"), entry.get("shape"), entry.get("dtype")
+    _check(isinstance(name, str), f"manifest entry {i}: bad name {name!r}")
+    _check(
+        isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape),
+        f"tensor {name}: bad shape {shape!r}",
+    )
+    _check(dtype in ITEMSIZES, f"tensor {name}: dtype {dtype!r} not in {sorted(ITEMSIZES)}")
+    return TensorSpec(name, tuple(shape), dtype)
+
+
+def _split_bucket(blob, start: int, meta: dict, b: int, compression: str) -> dict[str, bytes]:
+    size, streams = meta.get("size"), meta.get("streams")
+    _check(isinstance(size, int) and size >= 0, f"bucket {b}: bad size {size!r}")
+    _check(
+        isinstance(streams, list)
+        and len(streams) == len(STREAMS)
+        and all(
+            isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and v >= 0 for v in x)
+            for x in streams
+        ),
+        f"bucket {b}: bad stream table",
+    )
+    stored = bytes(blob[start : start + size])
+    _check(
+        hashlib.blake2b(stored, digest_size=16).hexdigest() == meta.get("checksum"),
+        f"bucket {b}: checksum mismatch (payload bytes corrupted)",
+    )
+    _check(sum(s for s, _ in streams) == size, f"bucket {b}: stream sizes do not add up to {size}")
+    out, pos = {}, 0
+    dctx = None
+    for k, (s, raw) in zip(STREAMS, streams, strict=True):
+        chunk = stored[pos : pos + s]
+        pos += s
+        if compression == "none" or raw == 0:
+            _check(s == raw, f"bucket {b} stream {k}: stored {s} != raw {raw} bytes")
+            out[k] = chunk
+            continue
+        if dctx is None:
+            import zstandard
+
+            dctx = zstandard.ZstdDecompressor()
+        try:
+            data = dctx.decompress(chunk, max_output_size=raw)
+        except Exception as e:  # zstandard.ZstdError and friends
+            raise CorruptPatchError(f"bucket {b} stream {k}: zstd frame invalid: {e}") from e
+        _check(len(data) == raw, f"bucket {b} stream {k}: {len(data)} bytes, expected {raw}")
+        out[k] = data
+    return out
+
+
+def decode(blob: bytes, *, expect: Sequence[TensorSpec] | None = None) -> Patch:
+    """Parse and fully validate a patch. Nothing is returned unless every check passes.
+
+    `expect`: the receiver's manifest; the patch must list exactly these tensors in this order.
+    """
+    header = read_header(blob)
+    kind, base, new = header["kind"], header.get("base_version"), header.get("new_version")
+    _check(isinstance(new, int) and new >= 0, f"bad new_version {new!r}")
+    if kind == "anchor":
+        _check(base is None, f"anchor with base_version {base!r}")
+    else:
+        _check(isinstance(base, int) and 0 <= base < new, f"bad base_version {base!r} for {new}")
+    compression = header.get("compression")
+    _check(compression in ("zstd", "none"), f"compression {compression!r} unknown")
+    tensors, buckets = header.get("tensors"), header.get("buckets")
+    _check(isinstance(tensors, list) and isinstance(buckets, list), "manifest or buckets missing")
+    specs = [_parse_spec(e, i) for i, e in enumerate(tensors)]
+    _check(len({s.name for s in specs}) == len(specs), "duplicate tensor names in manifest")
+    if expect is not None and list(expect) != specs:
+        got = {(s.name, s.shape, s.dtype) for s in specs}
+        want = {(s.name, s.shape, s.dtype) for s in expect}
+        raise CorruptPatchError(
+            f"manifest does not match the receiver's tensors: unexpected {sorted(got - want)[:3]}, "
+            f"missing {sorted(want - got)[:3]}"
+        )
+
+    pos = PREFIX_BYTES + struct.unpack("<I", blob[4:8])[0]
+    need = pos + sum(m.get("size", 0) if isinstance(m, dict) else 0 for m in buckets)
+    if len(blob) < need:
+        raise TruncatedPatchError(f"patch has {len(blob)} bytes, its header describes {need}")
+    _check(len(blob) == need, f"patch has {len(blob) - need} trailing bytes")
+    streams = []
+    for b, meta in enumerate(buckets):
+        _check(isinstance(meta, dict), f"bucket {b} is not an object")
+        streams.append(_split_bucket(blob, pos, meta, b, compression))
+        pos += meta["size"]
+
+    used = [{k: 0 for k in STREAMS} for _ in buckets]
+
+    def take(entry: dict, name: str, k: str, n: int) -> np.ndarray:
+        b, offsets = entry.get("bucket"), entry.get("offsets")
+        _check(isinstance(b, int) and 0 <= b < len(buckets), f"tensor {name}: bad bucket {b!r}")
+        _check(isinstance(offsets, dict), f"tensor {name}: offsets missing")
+        off = offsets.get(k)
+        # Segments must tile each stream in manifest order: no gaps, no overlaps, no leftovers.
+        _check(off == used[b][k], f"tensor {name}: stream {k} offset {off!r} != {used[b][k]}")
+        data = streams[b][k]
+        _check(off + n <= len(data), f"tensor {name}: stream {k} too short")
+        used[b][k] = off + n
+        return np.frombuffer(data, np.uint8, count=n, offset=off)
+
+    out: dict[str, TensorPatch] = {}
+    digests: dict[str, np.ndarray] = {}
+    for entry, s in zip(tensors, specs, strict=True):
+        d = entry.get("digest")
+        _check(
+            isinstance(d, list)
+            and len(d) == 2
+            and all(isinstance(v, int) and 0 <= v < 2**32 for v in d),
+            f"tensor {s.name}: bad digest {d!r}",
+        )
+        digests[s.name] = np.asarray(d, np.uint32)
+        enc = entry.get("encoding")
+        if enc == "unchanged":
+            _check(kind == "patch", f"tensor {s.name}: an anchor cannot leave a tensor unchanged")
+            out[s.name] = TensorPatch(s, "unchanged")
+        elif enc == "dense":
+            raw = take(entry, s.name, "d", s.numel * s.itemsize)
+            bits = raw.view(_uint(s.itemsize)).reshape(s.shape)
+            out[s.name] = TensorPatch(s, "dense", bits=bits)
+        elif enc == "sparse":
+            _check(kind == "patch", f"tensor {s.name}: an anchor must be dense")
+            nnz, width, mode = entry.get("nnz"), entry.get("gap_width"), entry.get("values")
+            _check(
+                isinstance(nnz, int) and 1 <= nnz <= s.numel, f"tensor {s.name}: bad nnz {nnz!r}"
+            )
+            _check(width in GAP_WIDTHS, f"tensor {s.name}: bad gap_width {width!r}")
+            _check(mode in ("new", "xor"), f"tensor {s.name}: bad values mode {mode!r}")
+            gaps = _unplane([take(entry, s.name, f"g{p}", nnz) for p in range(width)], width)
+            vals = _unplane(
+                [take(entry, s.name, f"v{p}", nnz) for p in range(s.itemsize)], s.itemsize
+            )
+            index = np.cumsum(gaps.astype(np.int64) + 1) - 1
+            _check(
+                index[-1] < s.numel and (nnz == 1 or bool(np.all(index[1:] > index[:-1]))),
+                f"tensor {s.name}: indices out of range [0, {s.numel})",
+            )
+            out[s.name] = TensorPatch(s, "sparse", index=index, bits=vals, xor=mode == "xor")
+        else:
+            raise CorruptPatchError(f"tensor {s.name}: unknown encoding {enc!r}")
+    for b, u in enumerate(used):
+        for k in STREAMS:
+            _check(
+                u[k] == len(streams[b][k]),
+                f"bucket {b} stream {k}: {len(streams[b][k]) - u[k]} unused bytes",
+            )
+    _check(
+        state_digest(specs, digests) == header.get("state_digest"),
+        "state digest does not match the per-leaf digests",
+    )
+    return Patch(kind, base, new, header["state_digest"], digests, out)

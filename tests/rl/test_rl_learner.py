@@ -1,0 +1,127 @@
+"""The learner step against a pure full-batch reference; DGG and non-finite skips leave the
+state bit-identical; batch reuse stops at K passes or when the gate fires."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from rl_learner_helpers import config, host, make_batch, reference, with_old
+
+from sparserl_jax.rl.config import LossConfig
+from sparserl_jax.rl.gating import DGGConfig, DGGState
+from sparserl_jax.rl.learner import Learner
+from sparserl_jax.testing import assert_trees_equal, tiny_model
+
+
+@pytest.fixture(scope="module")
+def untied():
+    """One learner (and its compiled step) shared by the tests below."""
+    model = tiny_model(seed=5, num_layers=1)
+    return model, Learner(model, config(gating=DGGConfig(window=3)))
+
+
+@pytest.fixture(scope="module")
+def tied():
+    # One micro-batch here; tied accumulation over two is checked in test_rl_learner_sharded.
+    model = tiny_model(seed=5, num_layers=1, tie_embeddings=True)
+    return model, Learner(model, config(gating=DGGConfig(window=3), num_micro_batches=1))
+
+
+@pytest.mark.parametrize("which", ["untied", "tied"])
+def test_step_matches_full_batch_reference(which, request):
+    model, learner = request.getfixturevalue(which)
+    state = learner.init(model)
+    batch = with_old(learner, state, make_batch())
+    params0 = host(state.params)
+    want_loss, want_norm, want_energy = reference(
+        params0, learner.graphdef, batch, learner.config, learner.tied
+    )
+    state, m = learner.step(state, batch, pass_index=1)
+    np.testing.assert_allclose(m["loss"], want_loss, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(m["grad_norm"], want_norm, rtol=1e-5)
+    np.testing.assert_allclose(m["dgg/g"], want_energy, rtol=1e-5)
+    assert bool(m["applied"]) and int(state.step) == 1
+    np.testing.assert_allclose(m["approx_kl"], 0.0, atol=1e-6)  # pass 1: pi_theta == pi_old
+    moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), state.params, params0)
+    assert max(jax.tree.leaves(moved)) > 1e-4
+
+
+def armed_gate(window, prev_energy=0.0):
+    # A full window of zero increments: any positive increment has z = dg / eps >> tau.
+    return DGGState(
+        increments_w=jnp.zeros((window,), jnp.float32),
+        count=jnp.int32(window),
+        next_index=jnp.int32(0),
+        prev_energy=jnp.float32(prev_energy),
+        has_prev=jnp.bool_(True),
+    )
+
+
+def test_dgg_fire_leaves_params_and_opt_state_bit_identical(untied):
+    model, learner = untied
+    state = learner.init(model)
+    batch = with_old(learner, state, make_batch(seed=2))
+    state, _ = learner.step(state, batch, 1)  # a real update, so Adam moments are non-zero
+    state = state._replace(gate=armed_gate(3))
+    before = host(state)
+    state, m = learner.step(state, batch, 2)
+    assert bool(m["dgg/fire"]) and bool(m["dgg/stop_reuse"]) and not bool(m["applied"])
+    assert float(m["dgg/z"]) > 0.3
+    assert_trees_equal(host(state.params), before.params, what="params")
+    assert_trees_equal(host(state.opt_state), before.opt_state, what="opt_state")
+    assert_trees_equal(host(state.gate), before.gate, what="gate")
+    assert int(state.step) == 1 and int(state.gate_fires) == 1
+    # The same armed gate on pass 1 of a batch does not fire: the update is applied.
+    state = state._replace(gate=armed_gate(3))
+    state, m = learner.step(state, batch, 1)
+    assert not bool(m["dgg/fire"]) and bool(m["applied"]) and int(state.step) == 2
+
+
+def test_nonfinite_step_is_skipped_and_counted(untied):
+    model, learner = untied
+    state = learner.init(model)
+    batch = with_old(learner, state, make_batch(seed=4))
+    state, _ = learner.step(state, batch, 1)
+    bad = batch._replace(advantages_b=batch.advantages_b.at[1].set(jnp.nan))
+    before = host(state)
+    state, m = learner.step(state, bad, 2)
+    assert bool(m["nonfinite"]) and not bool(m["applied"]) and bool(m["dgg/stop_reuse"])
+    assert not bool(m["dgg/fire"])
+    assert_trees_equal(host(state.params), before.params, what="params")
+    assert_trees_equal(host(state.opt_state), before.opt_state, what="opt_state")
+    assert_trees_equal(host(state.gate), before.gate, what="gate")
+    assert int(state.nonfinite_steps) == 1 and int(state.step) == 1
+
+
+def test_train_on_batch_reuses_up_to_k_and_stops_on_fire(untied):
+    model, learner = untied
+    state = learner.init(model)  # fresh gate: its window is empty, so it cannot fire
+    batch = make_batch(seed=5)
+    batch = batch._replace(sampler_logp_bt=learner.logprobs(state.params, batch.tokens_bt))
+    state, history = learner.train_on_batch(state, batch)
+    assert [int(m["pass_index"]) for m in history] == [1, 2, 3, 4]  # K = 4
+    assert int(history[-1]["passes_applied"]) == 4 and int(state.step) == 4
+    assert float(history[1]["approx_kl"]) > 0.0  # pass 2 is off pi_old
+    # Window [0, 0] and a huge previous energy: pass 1 (never gated) appends a large negative
+    # increment, so pass 2's ordinary increment has z ~ 1 > tau and fires, ending reuse.
+    state = learner.init(model)
+    state = state._replace(gate=armed_gate(3, prev_energy=1e6))
+    state, history = learner.train_on_batch(state, batch)
+    assert len(history) == 2 and bool(history[1]["dgg/fire"]), [m["dgg/z"] for m in history]
+    assert int(history[-1]["passes_applied"]) == 1 and int(state.gate_fires) == 1
+
+
+def test_errors_name_the_problem():
+    model = tiny_model(seed=1, num_layers=1)
+    learner = Learner(model, config(loss=LossConfig(kl_coef=1e-3), num_micro_batches=3))
+    state = learner.init(model)
+    batch = make_batch()
+    with pytest.raises(ValueError, match="old_logp_bt is None"):
+        learner.step(state, batch)
+    batch = batch._replace(old_logp_bt=batch.sampler_logp_bt)
+    with pytest.raises(ValueError, match="kl_coef=0.001"):
+        learner.step(state, batch)
+    with pytest.raises(ValueError, match="batch size 8 must be a multiple"):
+        learner.step(state, batch._replace(ref_logp_bt=batch.old_logp_bt))
+    with pytest.raises(ValueError, match="fp32 master weights"):
+        Learner(tiny_model(param_dtype="bfloat16"), config())

@@ -1,0 +1,19 @@
+"""Smoke test of the sync benchmark on the tiny preset: real AdamW steps, bit-identical syncs."""
+
+import json
+
+from sparserl_jax.sync.bench import BenchConfig, run
+
+
+def test_bench_tiny_is_bit_identical_and_reports_the_issue_fields():
+    out = run(BenchConfig(preset="tiny", lr=1e-4, steps=2, batch=2, seq_len=16, anchor_every=2))
+    json.dumps(out)  # one JSON line
+    for key in ("params", "lr", "steps", "ratio_median", "bytes_per_changed_median"):
+        assert key in out
+    assert out["params"] == 139584 and out["lr"] == 1e-4
+    assert out["all_bit_identical"] and len(out["steps"]) == 2
+    for s in out["steps"]:
+        assert s["changed"] > 0 and s["bit_identical"]
+        assert s["payload_bytes"] < s["dense_bf16_bytes"] == 2 * out["params"]
+        assert s["bytes_per_changed"] == s["payload_bytes"] / s["changed"]
+    assert out["encode_gb_per_s"] > 0 and out["apply_gb_per_s"] > 0

@@ -1,0 +1,250 @@
+"""Publisher -> receiver: bit-identity on a sampler sub-mesh, refusals, catch-up by anchors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from sync_helpers import SPECIAL_BITS, mutate, random_bits
+
+from sparserl_jax.sync import (
+    CodecConfig,
+    CorruptPatchError,
+    DuplicatePatchError,
+    InProcessTransport,
+    LeafChanges,
+    MissingVersionError,
+    OutOfOrderPatchError,
+    Publisher,
+    Receiver,
+    SyncConfig,
+    encode,
+    to_bits,
+)
+from sparserl_jax.sync.codec import ITEMSIZES
+
+
+def trainer_mesh():
+    return Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("a", "b"))
+
+
+def sampler_mesh():
+    return Mesh(np.array(jax.devices()[4:8]), ("x",))
+
+
+def sampler_sharding(name, shape):
+    spec = P("x") if len(shape) >= 1 and shape[0] % 4 == 0 else P()
+    return NamedSharding(sampler_mesh(), spec)
+
+
+def host_bits(x) -> np.ndarray:
+    return np.asarray(to_bits(x, None))
+
+
+def assert_receiver_matches(rc: Receiver, pub: Publisher):
+    for name, sent in zip(pub.names, jax.tree.leaves(pub.sent_bits), strict=True):
+        got = rc.arrays[name]
+        assert got.sharding.device_set == set(sampler_mesh().devices.flat)
+        np.testing.assert_array_equal(host_bits(got), np.asarray(sent), err_msg=name)
+
+
+DTYPES = ["float32", "bfloat16", "float16", "int32", "int8", "bool"]
+SHAPES = [(8, 6), (5,), (4, 3, 2), (12,)]
+
+
+@st.composite
+def runs(draw):
+    rng = np.random.default_rng(draw(st.integers(0, 2**31)))
+    leaves = [
+        (draw(st.sampled_from(DTYPES)), draw(st.sampled_from(SHAPES)))
+        for _ in range(draw(st.integers(1, 3)))
+    ]
+    steps = [
+        (
+            draw(st.sampled_from(["sparse", "signs", "nudge", "none", "all"])),
+            draw(st.sampled_from([0.02, 0.3])),
+        )
+        for _ in range(draw(st.integers(1, 4)))
+    ]
+    publish_dtype = draw(st.sampled_from(["bfloat16", "keep"]))
+    return rng, leaves, steps, publish_dtype
+
+
+def as_array(bits: np.ndarray, dtype: str, sharding):
+    host = bits.astype(bool) if dtype == "bool" else bits.view(jnp.dtype(dtype))
+    return jax.device_put(host, sharding)
+
+
+@settings(max_examples=15, deadline=None)
+@given(runs())
+def test_random_trees_rebuild_bit_identically(run):
+    rng, leaves, steps, publish_dtype = run
+    tm = trainer_mesh()
+    shardings = [NamedSharding(tm, P("a") if s[0] % 2 == 0 else P()) for _, s in leaves]
+    master_bits = [random_bits(rng, s, ITEMSIZES[d], d) for d, s in leaves]
+    tr = InProcessTransport()
+    pub = Publisher(tr, config=SyncConfig(anchor_every=3, publish_dtype=publish_dtype))
+    rc = Receiver(sampler_sharding)
+    for step in range(len(steps) + 1):
+        if step:
+            pattern, density = steps[step - 1]
+            master_bits = [
+                mutate(rng, b, pattern, density, d)
+                for b, (d, _) in zip(master_bits, leaves, strict=True)
+            ]
+        master = {
+            f"l{i}": as_array(b, d, sh)
+            for i, (b, (d, _), sh) in enumerate(zip(master_bits, leaves, shardings, strict=True))
+        }
+        pub.publish(master)
+        # The sent state is exactly bits(publish(master)): nothing drifts.
+        pdt = None if publish_dtype == "keep" else jnp.bfloat16
+        sent_leaves = jax.tree.leaves(pub.sent_bits)
+        for name, sent, x in zip(pub.names, sent_leaves, jax.tree.leaves(master), strict=True):
+            np.testing.assert_array_equal(np.asarray(sent), np.asarray(to_bits(x, pdt)), name)
+        events = rc.sync(tr)
+        assert all(e.error is None for e in events)
+        assert rc.version == pub.version
+        assert_receiver_matches(rc, pub)
+
+
+def _run(n_versions: int, anchor_every: int = 3):
+    rng = np.random.default_rng(0)
+    tm = trainer_mesh()
+    master = {
+        "w": jax.device_put(
+            rng.standard_normal((16, 12)).astype(np.float32) * 0.02, NamedSharding(tm, P("a", "b"))
+        ),
+        "b": jnp.asarray(rng.standard_normal(5).astype(np.float32)),
+    }
+    tr = InProcessTransport()
+    pub = Publisher(tr, config=SyncConfig(anchor_every=anchor_every))
+    pub.publish(master)
+    for _ in range(n_versions):
+        master = jax.tree.map(lambda x: x - 1e-3 * jnp.sign(x) * (jnp.abs(x) > 0.01), master)
+        pub.publish(master)
+    return tr, pub
+
+
+def snapshot(rc: Receiver):
+    return {k: host_bits(v) for k, v in rc.arrays.items()}
+
+
+def test_out_of_order_and_duplicate_are_refused_without_touching_weights():
+    tr, pub = _run(3)
+    rc = Receiver(sampler_sharding)
+    rc.apply(tr.get(0, "anchor"))
+    rc.apply(tr.get(1, "patch"))
+    before = snapshot(rc)
+    with pytest.raises(OutOfOrderPatchError, match=r"base version 2 != receiver version 1"):
+        rc.apply(tr.get(3, "patch"))
+    with pytest.raises(DuplicatePatchError, match="already applied"):
+        rc.apply(tr.get(1, "patch"))
+    with pytest.raises(DuplicatePatchError, match="not newer"):
+        rc.apply(tr.get(0, "anchor"))
+    assert rc.version == 1
+    for k, v in snapshot(rc).items():
+        np.testing.assert_array_equal(v, before[k])
+    rc.apply(tr.get(2, "patch"))
+    rc.apply(tr.get(3, "patch"))
+    assert_receiver_matches(rc, pub)
+
+
+@pytest.mark.parametrize("damage", ["drop", "flip", "truncate", "reordered", "duplicate"])
+def test_damaged_or_missing_version_is_recovered_from_anchor(damage):
+    tr, pub = _run(7, anchor_every=3)
+    rc = Receiver(sampler_sharding)
+    rc.sync(tr, target=1)
+    blob = tr.get(2, "patch")
+    if damage == "drop":
+        tr.drop(2, "patch")
+    elif damage == "flip":
+        bad = bytearray(blob)
+        bad[len(bad) // 2] ^= 0x10
+        tr.put(2, "patch", bytes(bad))
+    elif damage == "truncate":
+        tr.put(2, "patch", blob[:-7])
+    elif damage == "reordered":  # patch 3 -> 4 arrives where 1 -> 2 was expected
+        tr.put(2, "patch", tr.get(4, "patch"))
+    else:  # patch 0 -> 1 delivered again
+        tr.put(2, "patch", tr.get(1, "patch"))
+    events = rc.sync(tr)
+    assert rc.version == 7
+    assert_receiver_matches(rc, pub)
+    if damage != "drop":
+        expect = {
+            "flip": "checksum",
+            "truncate": "bytes",
+            "reordered": "base version 3 != receiver version 1",
+            "duplicate": "already applied",
+        }[damage]
+        assert events[0].version == 2 and expect in events[0].error
+    kinds = [(e.version, e.kind) for e in events if e.error is None]
+    assert kinds == [(6, "anchor"), (7, "patch")]
+
+
+def test_late_joiner_starts_from_last_anchor():
+    tr, pub = _run(5, anchor_every=3)
+    rc = Receiver(sampler_sharding)
+    events = rc.sync(tr)
+    assert [(e.version, e.kind) for e in events] == [(3, "anchor"), (4, "patch"), (5, "patch")]
+    assert_receiver_matches(rc, pub)
+
+
+def test_no_route_raises_clear_error():
+    tr, _ = _run(4, anchor_every=3)
+    rc = Receiver(sampler_sharding)
+    rc.sync(tr, target=3)
+    tr.drop(4, "patch")
+    with pytest.raises(MissingVersionError, match=r"no anchor in \(3, 4\]"):
+        rc.sync(tr, target=4)
+    assert rc.version == 3
+
+
+def test_wrong_values_with_valid_checksums_are_refused_by_digest():
+    tr, pub = _run(1)
+    rc = Receiver(sampler_sharding)
+    rc.apply(tr.get(0, "anchor"))
+    before = snapshot(rc)
+    good = Receiver(sampler_sharding)
+    good.sync(tr)
+    # Forge version 1: the real per-leaf digests, but one value bit wrong in "['w']".
+    digests = dict(good._digests)
+    changes = {}
+    for name in pub.names:
+        old, new = before[name].reshape(-1), host_bits(good.arrays[name]).reshape(-1)
+        idx = np.flatnonzero(old != new)
+        changes[name] = LeafChanges(idx, old[idx] ^ new[idx], old[idx])
+    ch = changes["['w']"]
+    changes["['w']"] = LeafChanges(ch.index, ch.delta ^ np.uint16(1), ch.old)
+    forged = encode(
+        kind="patch",
+        base_version=0,
+        new_version=1,
+        specs=rc.specs,
+        changes=changes,
+        dense_bits=lambda n: host_bits(good.arrays[n]),
+        leaf_digests=digests,
+        config=CodecConfig(),
+    )
+    with pytest.raises(CorruptPatchError, match=r"digest mismatch after apply in \[\"\['w'\]\"\]"):
+        rc.apply(forged)
+    assert rc.version == 0
+    for k, v in snapshot(rc).items():
+        np.testing.assert_array_equal(v, before[k])
+
+
+def test_special_values_survive_on_sampler_mesh():
+    bits = np.array(SPECIAL_BITS[2] * 4, np.uint16)[:40].reshape(8, 5)
+    master = {"w": jnp.asarray(bits.view(jnp.bfloat16))}
+    tr = InProcessTransport()
+    pub = Publisher(tr, config=SyncConfig(publish_dtype="keep"))
+    pub.publish(master)
+    flipped = bits ^ np.uint16(0x8000)
+    pub.publish({"w": jnp.asarray(flipped.view(jnp.bfloat16))})
+    rc = Receiver(sampler_sharding)
+    rc.sync(tr)
+    np.testing.assert_array_equal(host_bits(rc.arrays["['w']"]), flipped)

@@ -16,7 +16,6 @@ import json
 
 from flax import nnx
 
-from sparserl_jax.config import ModelSpec, load_config
 from sparserl_jax.models import ModelConfig, Transformer
 from sparserl_jax.parallel import MeshConfig, make_mesh
 from sparserl_jax.rl.benchmark import benchmark_learner, synthetic_batch
@@ -55,7 +54,9 @@ def model_config(preset: str, dtype: str, remat: bool) -> ModelConfig:
     if preset in PRESETS:
         arch = ModelConfig(**PRESETS[preset])
     else:  # a YAML preset from configs/ (e.g. "tiny" -> configs/tiny.yaml)
-        spec: ModelSpec = load_config(f"configs/{preset}.yaml").model
+        from sparserl_jax.config import load_config  # only YAML presets need the config system
+
+        spec = load_config(f"configs/{preset}.yaml").model
         arch = spec.model_config()
     return arch.replace(dtype=dtype, param_dtype="float32", remat=remat)
 

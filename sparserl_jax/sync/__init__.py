@@ -15,6 +15,24 @@ from sparserl_jax.sync.errors import (
     VersionError,
 )
 from sparserl_jax.sync.extract import LeafChanges, extract_changes
+from sparserl_jax.sync.loco import (
+    LoCoConfig,
+    ddp_bytes,
+    diloco_bytes,
+    error_feedback,
+    mean_of_dense,
+    mean_of_payloads,
+    outer_update,
+    payload_bytes,
+    pseudo_gradient,
+    pulse_gate,
+)
+from sparserl_jax.sync.loco_runtime import (
+    LoCoTrainer,
+    RoundStats,
+    init_cpu_distributed,
+    replica_mesh,
+)
 from sparserl_jax.sync.mask import (
     leaf_digests,
     publish_bits,

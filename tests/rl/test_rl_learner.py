@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from rl_learner_helpers import config, host, make_batch, reference, with_old
 
+from sparserl_jax.rl import sparse_rl_weights
 from sparserl_jax.rl.config import LossConfig
 from sparserl_jax.rl.gating import DGGConfig, DGGState
 from sparserl_jax.rl.learner import Learner
@@ -42,6 +43,11 @@ def test_step_matches_full_batch_reference(which, request):
     np.testing.assert_allclose(m["dgg/g"], want_energy, rtol=1e-5)
     assert bool(m["applied"]) and int(state.step) == 1
     np.testing.assert_allclose(m["approx_kl"], 0.0, atol=1e-6)  # pass 1: pi_theta == pi_old
+    # Every step reports the Sparse-RL correction metrics of the whole batch.
+    want = sparse_rl_weights(batch.old_logp_bt, batch.sampler_logp_bt, batch.mask_bt).metrics
+    for key, value in want._asdict().items():
+        np.testing.assert_allclose(m[f"correction/{key}"], value, rtol=1e-6, err_msg=key)
+    assert 0 < float(m["correction/masked_token_fraction"]) < 1
     moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), state.params, params0)
     assert max(jax.tree.leaves(moved)) > 1e-4
 

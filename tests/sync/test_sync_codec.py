@@ -1,5 +1,7 @@
 """Codec property tests: encode -> decode -> rebuild is bit-identical; corruption is refused."""
 
+import hashlib
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -15,7 +17,7 @@ from sparserl_jax.sync import (
     decode,
     encode,
 )
-from sparserl_jax.sync.codec import ITEMSIZES
+from sparserl_jax.sync.codec import ITEMSIZES, read_header
 
 DTYPES = ["bfloat16", "float32", "float16", "int32", "int8", "uint16", "bool"]
 SHAPES = [(), (1,), (7,), (5, 3), (40, 30), (3, 4, 5), (0, 4), (300,)]
@@ -166,3 +168,75 @@ def test_config_validation_names_bad_values():
         CodecConfig(compression="lz4")
     with pytest.raises(ValueError, match="zstd_level"):
         CodecConfig(zstd_level=0)
+
+
+def _one_leaf_blob(old, new, config, dtype="bfloat16"):
+    return encode_case([(TensorSpec("w", old.shape, dtype), old, new)], config)
+
+
+def test_layout_hand_computed():
+    # 30 bf16 elements, changes at 3, 10, 29: gaps idx[k] - idx[k-1] - 1 = 3, 6, 18 fit one
+    # byte; with no entropy stage the values are the new bits (XOR would cost the same 2 bytes).
+    old = np.full(30, 0x3F80, np.uint16)
+    new = old.copy()
+    new[[3, 10, 29]] = [0x4000, 0xBF80, 0x0001]
+    blob = _one_leaf_blob(old, new, CodecConfig(compression="none"))
+    header = read_header(blob)
+    (entry,) = header["tensors"]
+    assert (header["format"], header["base_version"], header["new_version"]) == (1, 3, 4)
+    assert (entry["name"], entry["shape"], entry["dtype"]) == ("w", [30], "bfloat16")
+    assert (entry["encoding"], entry["nnz"], entry["gap_width"], entry["values"]) == (
+        "sparse", 3, 1, "new",
+    )  # fmt: skip
+    (bucket,) = header["buckets"]
+    # Streams g0..g3, v0..v3, d as [stored, raw] bytes: 3 one-byte gaps, 3 + 3 value bytes.
+    assert bucket["streams"] == [[3, 3], [0, 0], [0, 0], [0, 0], [3, 3], [3, 3]] + [[0, 0]] * 3
+    hlen = int.from_bytes(blob[4:8], "little")
+    payload = blob[24 + hlen :]
+    assert payload == bytes([3, 6, 18, 0x00, 0x80, 0x01, 0x40, 0xBF, 0x00])
+    assert bucket["checksum"] == hashlib.blake2b(payload, digest_size=16).hexdigest()
+    t = decode(blob).tensors["w"]
+    np.testing.assert_array_equal(t.index, [3, 10, 29])
+    np.testing.assert_array_equal(t.bits, [0x4000, 0xBF80, 0x0001])
+
+
+def test_gap_width_grows_with_the_largest_gap():
+    old = np.zeros(400, np.uint16)
+    new = old.copy()
+    new[[0, 300]] = 1  # gaps 0 and 299: 299 needs two bytes
+    entry = read_header(_one_leaf_blob(old, new, CodecConfig()))["tensors"][0]
+    assert (entry["encoding"], entry["gap_width"]) == ("sparse", 2)
+    new[[0, 255]] = 1
+    new[300] = 0  # gaps 0 and 254: one byte
+    assert read_header(_one_leaf_blob(old, new, CodecConfig()))["tensors"][0]["gap_width"] == 1
+
+
+def test_dense_fallback_at_the_exact_size_boundary():
+    # 30 bf16 elements = 60 dense bytes; a sparse entry costs 3 bytes per change (1-byte gap +
+    # 2 value bytes): 19 changes (57 B) stay sparse, 20 changes (60 B) are sent dense.
+    old = np.zeros(30, np.uint16)
+    for count, want in ((19, "sparse"), (20, "dense")):
+        new = old.copy()
+        new[:count] = 0x3F80
+        blob = _one_leaf_blob(old, new, CodecConfig(compression="none"))
+        assert read_header(blob)["tensors"][0]["encoding"] == want, count
+        leaves = [(TensorSpec("w", old.shape, "bfloat16"), old, new)]
+        np.testing.assert_array_equal(rebuild(decode(blob), leaves)["w"], new)
+
+
+def test_values_mode_is_the_measured_smaller_one():
+    rng = np.random.default_rng(7)
+    old = random_bits(rng, (4000,), 2, "bfloat16")
+    idx = np.sort(rng.choice(4000, 200, replace=False))
+    # Sign flips: XOR is the constant 0x8000 while the new bits are as random as the old ones.
+    flips = old.copy()
+    flips[idx] ^= np.uint16(0x8000)
+    # Overwrites with one constant: the new bits are constant, XOR with random old bits is not.
+    const = old.copy()
+    const[idx] = np.uint16(0x3F80)
+    for new, want in ((flips, "xor"), (const, "new")):
+        blob = _one_leaf_blob(old, new, CodecConfig())
+        assert read_header(blob)["tensors"][0]["values"] == want
+        forced = "new" if want == "xor" else "xor"
+        other = _one_leaf_blob(old, new, CodecConfig(values=forced))
+        assert len(blob) < len(other), (want, len(blob), len(other))

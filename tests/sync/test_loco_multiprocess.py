@@ -1,0 +1,126 @@
+"""PULSELoCo across two processes joined by `jax.distributed` on localhost (gloo CPU collectives).
+
+The test launches this file twice as a script (one replica per process, one CPU device each),
+with a free port, an initialization timeout and a hard wall-clock limit, so a hung child can never
+hang the suite. Each child records, after every outer round, the SHA-256 of its global θ, the
+digest of the θ copy its replica restarts from, and the gathered entry counts. The two processes
+must agree bit for bit each round, and with the same run done inside this process on two fake
+CPU devices (topology (a)).
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import optax
+
+from sparserl_jax.sync import loco
+from sparserl_jax.sync.loco_bench import build_model, chain, next_token_loss, sample
+from sparserl_jax.sync.loco_runtime import LoCoTrainer, init_cpu_distributed, replica_mesh
+
+H, R, ROUNDS, BATCH, LENGTH, LR = 3, 2, 3, 4, 9, 1e-4
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WALL_S = 90  # both children together; they normally finish in ~15 s
+
+
+def run_rounds(mesh) -> list[dict]:
+    """The shared experiment; each process feeds only the batches of its own replicas."""
+    graphdef, params = build_model("tiny", seed=0)
+    data = sample(chain(128, seed=1), (ROUNDS, H, R, BATCH), LENGTH, seed=2)
+    # One padded payload shape for every round: fewer compilations in the children.
+    cfg = loco.LoCoConfig(method="pulseloco", inner_steps=H, pad_multiple=4096)
+    trainer = LoCoTrainer(next_token_loss(graphdef), params, optax.adamw(LR), cfg, mesh=mesh)
+    out = []
+    for k in range(ROUNDS):
+        stats = trainer.round({r: data[k, :, r] for r in trainer.local})
+        out.append(
+            {
+                "theta": trainer.global_digest(),
+                "replicas": {str(r): d for r, d in trainer.replica_digests().items()},
+                "counts": list(stats.counts),
+                "sent_bytes": stats.sent_bytes,
+                "num_params": trainer.num_params,
+            }
+        )
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_agree_bit_for_bit(tmp_path):
+    port = free_port()
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    outs = [tmp_path / f"process{p}.json" for p in range(R)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), str(p), str(R), str(port), str(outs[p])],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for p in range(R)
+    ]
+    deadline, logs = time.monotonic() + WALL_S, []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            logs.append(out)
+    except subprocess.TimeoutExpired as err:
+        for proc in procs:
+            proc.kill()
+        tails = [(proc.communicate()[0] or "")[-2000:] for proc in procs]
+        msg = f"children did not finish in {WALL_S} s:\n" + "\n---\n".join(tails)
+        raise AssertionError(msg) from err
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for p, proc in enumerate(procs):
+        assert proc.returncode == 0, f"process {p} exited {proc.returncode}:\n{logs[p][-3000:]}"
+
+    results = [json.loads(o.read_text()) for o in outs]
+    for k in range(ROUNDS):
+        a, b = results[0][k], results[1][k]
+        # Both processes hold the same global θ after every outer step ...
+        assert a["theta"] == b["theta"], f"round {k + 1}: processes disagree"
+        assert a["counts"] == b["counts"]
+        # ... and each one's replica restarts from exactly that θ.
+        assert a["replicas"] == {"0": a["theta"]} and b["replicas"] == {"1": b["theta"]}
+        assert 0 < max(a["counts"]) < a["num_params"]  # a real sparse exchange
+        assert a["sent_bytes"] == loco.payload_bytes(a["counts"])
+
+    # Topology (a): the same rounds as two device groups inside this process.
+    single = run_rounds(replica_mesh(R, jax.devices()[:R]))
+    for k in range(ROUNDS):
+        assert single[k]["theta"] == results[0][k]["theta"], f"round {k + 1}: (a) != (b)"
+        assert single[k]["counts"] == results[0][k]["counts"]
+
+
+def child(process_id: int, num_processes: int, port: int, out_path: str) -> None:
+    # Same numerics settings as tests/conftest.py, which a child does not load.
+    jax.config.update("jax_numpy_rank_promotion", "raise")
+    jax.config.update("jax_default_matmul_precision", "highest")
+    init_cpu_distributed(f"localhost:{port}", num_processes, process_id, timeout_s=30)
+    try:
+        result = run_rounds(replica_mesh(num_processes))
+        with open(out_path, "w") as f:
+            json.dump(result, f)
+    finally:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    child(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

@@ -1,0 +1,162 @@
+"""DiLoCo / PULSELoCo replicas as device groups of one program, against plain references.
+
+The references run each replica's inner AdamW steps with an ordinary `jit` on one device and do
+the outer round in numpy (gate from ml_dtypes bf16 bits, error feedback, replica-ordered mean);
+only the outer Nesterov step reuses `loco.outer_update` (its formula is tested in
+test_loco_math.py). See `check_against_reference` for what is compared bit for bit.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from sparserl_jax.sync import loco
+from sparserl_jax.sync.loco_bench import build_model, chain, next_token_loss, sample
+from sparserl_jax.sync.loco_runtime import LoCoTrainer, replica_mesh
+
+H, R, ROUNDS, BATCH, LENGTH = 3, 2, 3, 4, 9
+LR = 1e-4
+
+
+@functools.lru_cache(maxsize=1)
+def problem():
+    graphdef, params = build_model("tiny", seed=0)
+    data = sample(chain(128, seed=1), (ROUNDS, H, R, BATCH), LENGTH, seed=2)
+    return next_token_loss(graphdef), params, data
+
+
+def run_trainer(cfg: loco.LoCoConfig, mesh):
+    loss_fn, params, data = problem()
+    trainer = LoCoTrainer(loss_fn, params, optax.adamw(LR), cfg, mesh=mesh)
+    thetas, stats = [], []
+    for k in range(ROUNDS):
+        stats.append(trainer.round({r: data[k, :, r] for r in range(R)}))
+        thetas.append(np.asarray(trainer.theta.addressable_data(0)).copy())
+        # Every device of every group computed the same new θ: the replicas agree bit for bit.
+        assert set(trainer.replica_digests().values()) == {trainer.global_digest()}
+    return thetas, stats, trainer
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    return x.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def assert_bits_equal(a: np.ndarray, b: np.ndarray, what: str):
+    diff = np.flatnonzero(np.asarray(a).view(np.uint32) != np.asarray(b).view(np.uint32))
+    assert diff.size == 0, f"{what}: {diff.size} entries differ, first at {diff[:5]}"
+
+
+def rows(x: jax.Array) -> np.ndarray:
+    """A `[R, ...]` replica-sharded array as one host array (single process: all addressable)."""
+    return np.asarray(x)
+
+
+def check_against_reference(method: str, cfg: loco.LoCoConfig):
+    """Run the trainer and, round by round, a plain DiLoCo / PULSELoCo reference beside it.
+
+    Inner steps: the reference is an ordinary per-replica `jit` from the trainer's θ. XLA fuses the
+    two programs differently (FMA contraction), so their weights agree to a few fp32 ulps, not
+    bits: checked to rtol 1e-6 (~8 ulps) plus atol 1e-6 of one step (lr), for weights near 0.
+    Outer round: numpy on the trainer's own replica weights (gate from ml_dtypes bf16 bits, error
+    feedback, replica-ordered mean times fp32(1/R)), then `loco.outer_update`; bit for bit.
+    """
+    loss_fn, params, data = problem()
+    flat, unravel = ravel_pytree(params)
+    tx = optax.adamw(LR)
+
+    @jax.jit
+    def inner(theta_p, opt, batches):
+        def step(carry, batch):
+            p, o = carry
+            updates, o = tx.update(jax.grad(loss_fn)(p, batch), o, p)
+            return (optax.apply_updates(p, updates), o), None
+
+        (p, opt), _ = jax.lax.scan(step, (unravel(theta_p), opt), batches)
+        return ravel_pytree(p)[0], opt
+
+    outer_tx = cfg.outer_optimizer()
+    outer = jax.jit(functools.partial(loco.outer_update, outer_tx))
+    trainer = LoCoTrainer(loss_fn, params, tx, cfg, mesh=replica_mesh(R, jax.devices()[:R]))
+    theta = np.asarray(flat, np.float32)
+    outer_state = outer_tx.init(jnp.asarray(theta))
+    opts = [tx.init(params) for _ in range(R)]
+    residuals = np.zeros((R, theta.size), np.float32)
+    for k in range(ROUNDS):
+        assert_bits_equal(np.asarray(trainer.theta.addressable_data(0)), theta, f"θ {k}")
+        stats = trainer.round({r: data[k, :, r] for r in range(R)})
+        local = rows(trainer.last_local)
+        acc, counts = np.zeros_like(theta), []
+        for r in range(R):
+            ref_local, opts[r] = inner(jnp.asarray(theta), opts[r], jnp.asarray(data[k, :, r]))
+            np.testing.assert_allclose(local[r], np.asarray(ref_local), rtol=1e-6, atol=1e-6 * LR)
+            delta = theta - local[r]
+            assert np.mean(delta != 0) > 0.5  # the inner steps really moved most weights
+            if method == "pulseloco":
+                s = residuals[r] + delta
+                mask = bf16_bits(theta) != bf16_bits(theta - s)
+                delta = np.where(mask, s, np.float32(0))
+                residuals[r] = np.where(mask, np.float32(0), s)
+                counts.append(int(mask.sum()))
+            acc = acc + delta
+        new_theta, outer_state = outer(
+            jnp.asarray(theta), outer_state, jnp.asarray(acc * np.float32(1 / R))
+        )
+        theta = np.asarray(new_theta).copy()
+        assert_bits_equal(np.asarray(trainer.theta.addressable_data(0)), theta, f"θ {k + 1}")
+        # Every device of every group computed the same new θ: the replicas agree bit for bit.
+        assert set(trainer.replica_digests().values()) == {trainer.global_digest()}
+        if method == "pulseloco":
+            assert_bits_equal(rows(trainer.residual), residuals, f"residual {k + 1}")
+            assert stats.counts == tuple(counts)
+            assert stats.sent_bytes == loco.payload_bytes(counts)
+            padded = cfg.padded_count(max(counts))
+            assert stats.padded_bytes == loco.padded_payload_bytes(R, padded)
+            assert 0 < max(counts) < trainer.num_params  # the gate really sparsified
+        else:
+            assert stats.counts == (trainer.num_params,) * R
+            assert stats.sent_bytes == loco.diloco_bytes(trainer.num_params, R)
+
+
+def test_gate_off_equals_diloco_bit_for_bit():
+    # Groups of 2 devices: the inner steps are also data parallel inside each replica.
+    mesh = replica_mesh(R, jax.devices()[: 2 * R])
+    dense, dense_stats, _ = run_trainer(loco.LoCoConfig(method="diloco", inner_steps=H), mesh)
+    off, off_stats, t = run_trainer(
+        loco.LoCoConfig(method="pulseloco", gate=False, inner_steps=H), mesh
+    )
+    for k in range(ROUNDS):
+        assert_bits_equal(off[k], dense[k], f"round {k + 1}")
+        assert off_stats[k].counts == dense_stats[k].counts == (t.num_params,) * R
+    assert dense_stats[0].sent_bytes == loco.diloco_bytes(t.num_params, R)
+    assert off_stats[0].sent_bytes == loco.payload_bytes([t.num_params] * R)
+
+
+def test_diloco_matches_plain_reference():
+    check_against_reference("diloco", loco.LoCoConfig(method="diloco", inner_steps=H))
+
+
+def test_pulseloco_matches_plain_reference():
+    cfg = loco.LoCoConfig(method="pulseloco", inner_steps=H, pad_multiple=64)
+    check_against_reference("pulseloco", cfg)
+
+
+def test_trainer_input_errors():
+    loss_fn, params, data = problem()
+    mesh = replica_mesh(R, jax.devices()[:R])
+    cfg = loco.LoCoConfig(inner_steps=H)
+    with pytest.raises(ValueError, match=r"float32 master weights; got leaf dtypes \['bfloat16'"):
+        bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+        LoCoTrainer(loss_fn, bf16, optax.adamw(LR), cfg, mesh=mesh)
+    with pytest.raises(ValueError, match="cannot split 8 devices into 3 equal replica groups"):
+        replica_mesh(3)
+    trainer = LoCoTrainer(loss_fn, params, optax.adamw(LR), cfg, mesh=mesh)
+    with pytest.raises(ValueError, match=r"leading axis H=3, got shape \(2, 4, 9\)"):
+        trainer.round({r: data[0, :2, r] for r in range(R)})
+    with pytest.raises(ValueError, match=r"batches missing for local replicas \[1\]"):
+        trainer.round({0: data[0, :, 0]})

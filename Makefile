@@ -19,7 +19,8 @@ test: $(STAMP)
 	$(PY) -m pytest -n 2 -q -p no:cacheprovider tests
 
 demo: $(STAMP)
-	$(PY) -m sparserl_jax.cli generate configs/demo.yaml
+	rm -rf runs/demo
+	$(PY) -m sparserl_jax.cli train configs/demo.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .

@@ -1,6 +1,7 @@
 """The `sparserl` command.
 
-sparserl generate CONFIG.yaml [dotted.key=value ...]
+sparserl train CONFIG.yaml [dotted.key=value ...]      RL post-training (see sparserl_jax.train)
+sparserl generate CONFIG.yaml [dotted.key=value ...]   generate with a model
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ def run_generate(cfg: Config) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparserl", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    tr = sub.add_parser("train", help="RL post-training: rollouts, rewards, learner, sync")
     gen = sub.add_parser("generate", help="generate text with a model from a config")
-    for p in (gen,):
+    for p in (tr, gen):
         p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
@@ -76,6 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, FileNotFoundError) as e:
         print(f"sparserl: config error: {e}", file=sys.stderr)
         return 2
+    if args.command == "train":
+        from sparserl_jax.train import train
+
+        summary = train(cfg, log_fn=lambda msg: print(msg, file=sys.stderr))
+        print(json.dumps(summary))
+        return 0
     if args.command == "generate":
         summary = run_generate(cfg)
         summary["config"] = to_dict(cfg)

@@ -23,8 +23,16 @@ from typing import Any, Literal
 
 import yaml
 
+from sparserl_jax.data.config import DataConfig
 from sparserl_jax.models.config import ModelConfig
 from sparserl_jax.parallel.sharding import MeshConfig
+from sparserl_jax.rl.config import LearnerConfig
+from sparserl_jax.rollout import RolloutConfig
+from sparserl_jax.sft import SFTConfig
+from sparserl_jax.sync.publisher import SyncConfig
+
+if typing.TYPE_CHECKING:
+    from sparserl_jax.train import TrainConfig
 
 
 class ConfigError(ValueError):
@@ -111,13 +119,28 @@ class GenerateConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """The whole experiment. Later sections (rollout, rl, sync, data, train) join here."""
+    """The whole experiment: one section per component, each validated by its own dataclass.
+
+    `train` is imported lazily (it imports the whole stack); see `sparserl_jax.train.TrainConfig`.
+    """
 
     model: ModelSpec
     mesh: MeshConfig = MeshConfig()
     tokenizer: TokenizerConfig = TokenizerConfig()
     generate: GenerateConfig = GenerateConfig()
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
+    sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
+    sft: SFTConfig = SFTConfig()
+    train: TrainConfig = dataclasses.field(default_factory=lambda: _train_config()())
     run_dir: str = "runs/default"
+
+
+def _train_config():
+    from sparserl_jax.train import TrainConfig
+
+    return TrainConfig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -211,9 +234,10 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 
 
 def _hints(cls) -> dict[str, Any]:
-    import sparserl_jax.models.config as model_config_module
+    import sys
 
-    ns = {**vars(model_config_module), **globals()}
+    # Each section's annotations resolve in its own module (they may be strings there).
+    ns = {**globals(), "TrainConfig": _train_config(), **vars(sys.modules[cls.__module__])}
     return typing.get_type_hints(cls, globalns=ns)
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 
+import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._dispatch import Impl, interpret_needed, resolve_impl
+from pallas_kernels._dispatch import Impl, cdiv, interpret_needed, resolve_impl
 from pallas_kernels.paged_attention.reference import (
     paged_decode_attention_reference,
     probs_from_logits,
@@ -59,3 +61,47 @@ def paged_decode_attention(
             )
     probs = probs_from_logits(logits, lse, lengths_b) if return_probs else None
     return out, probs
+
+
+def paged_decode_attention_xla_bucketed(
+    q_bnh: Float[Array, "B N H"],
+    k_pool: Float[Array, "Y P L K H"],
+    v_pool: Float[Array, "Y P L K H"],
+    layer: int,
+    page_table_bm: Int[Array, "B M"],
+    lengths_b: Int[Array, " B"],
+    *,
+    return_probs: bool = False,
+    buckets: int = 8,
+) -> tuple[Float[Array, "B N H"], Float[Array, "B N S"] | None]:
+    """The XLA decode path of a stacked pool (`Y` layers), bounded by the longest row.
+
+    The reference over only the first `m_i` page-table columns, `m_i` the smallest of `buckets`
+    static sizes (multiples of M / buckets) that covers the longest row. Keys past a row's length
+    get exactly zero weight in the reference, so dropping columns that hold none changes nothing
+    but the work: a dense rollout attends over its current length, not its final one.
+    `lax.switch` picks the size at run time; every branch has static shapes and slices the
+    layer itself (a sliced pool passed as a branch operand would be copied every step).
+    Probabilities are zero-padded back to `M * L` keys.
+    """
+    b, m = page_table_bm.shape
+    pl = k_pool.shape[2]
+    sizes = sorted({max(1, cdiv(m * i, buckets)) for i in range(1, buckets + 1)})
+
+    def branch(mi):
+        def attend(q, kp, vp, pt, lens):
+            out, probs = paged_decode_attention_reference(
+                q, kp[layer], vp[layer], pt[:, :mi], lens, return_probs=return_probs
+            )
+            if probs is not None:
+                probs = jnp.pad(probs, ((0, 0), (0, 0), (0, (m - mi) * pl)))
+            return out, probs
+
+        return attend
+
+    operands = (q_bnh, k_pool, v_pool, page_table_bm, lengths_b)
+    if len(sizes) == 1:
+        return branch(m)(*operands)
+    need = (jnp.max(lengths_b) + pl - 1) // pl
+    index = jnp.clip(jnp.searchsorted(jnp.asarray(sizes, jnp.int32), need), 0, len(sizes) - 1)
+    return jax.lax.switch(index, [branch(mi) for mi in sizes], *operands)

@@ -33,7 +33,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import paged_decode_attention
-from pallas_kernels._dispatch import Impl
+from pallas_kernels._dispatch import Impl, resolve_impl
+from pallas_kernels.paged_attention.api import paged_decode_attention_xla_bucketed
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 from sparserl_jax.kvcache import allocator
 from sparserl_jax.kvcache.config import cdiv
@@ -198,16 +199,31 @@ class PagedKVCache:
         page_bt = jnp.take_along_axis(self.page_table, col_bt, axis=1)
         flat_bt = jnp.where(valid_bt & (page_bt >= 0), page_bt * pl + idx_bt % pl, p * pl)
 
+        # One scatter into the whole stacked pool (not slice -> scatter -> write back, which
+        # XLA turns into a copy of the layer's pool every step): in place inside the decode loop.
+        page_w_bt, off_w_bt = flat_bt // pl, flat_bt % pl
+
         def store(pool, new):
-            flat = pool[layer].reshape((p * pl,) + pool.shape[3:])
-            flat = flat.at[flat_bt].set(new.astype(pool.dtype), mode="drop")
-            return pool.at[layer].set(flat.reshape(pool.shape[1:]))
+            return pool.at[layer, page_w_bt, off_w_bt].set(new.astype(pool.dtype), mode="drop")
 
         k_pages = store(self.k_pages, k_btkh)
         v_pages = store(self.v_pages, v_btkh)
         kv_len_b = self.lengths_b + self.new_counts_b
         want_probs = self.attn_mass is not None
-        if t == 1:
+        if t == 1 and resolve_impl(self.impl) == "xla":
+            # XLA decode: bounded by the longest row's pages, not by the table's capacity.
+            out_bnh, probs_bns = paged_decode_attention_xla_bucketed(
+                q_btnh[:, 0],
+                k_pages,
+                v_pages,
+                layer,
+                self.page_table,
+                kv_len_b,
+                return_probs=want_probs,
+            )
+            out_btnh = out_bnh[:, None]
+            probs_btns = None if probs_bns is None else probs_bns[:, None]
+        elif t == 1:
             out_bnh, probs_bns = paged_decode_attention(
                 q_btnh[:, 0],
                 k_pages[layer],

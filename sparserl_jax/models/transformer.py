@@ -143,7 +143,10 @@ class Embedding(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         shape = (cfg.vocab_size, cfg.hidden_size)
-        self.embedding = param(rngs, shape, ("vocab", "embed"), cfg.weight_dtype, fan_in=1)
+        # Untied: unit-variance rows. Tied, the table is also the output projection: scale by
+        # 1/sqrt(D) so initial logits are O(1) (unit rows would start the loss near sqrt(D)).
+        fan_in = cfg.hidden_size if cfg.tie_embeddings else 1
+        self.embedding = param(rngs, shape, ("vocab", "embed"), cfg.weight_dtype, fan_in=fan_in)
 
 
 class LMHead(nnx.Module):

@@ -11,7 +11,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float
+
+# The logprob contract (ARCHITECTURE §3) has one home, next to the sampler that records it.
+from sparserl_jax.rollout.sampling import shifted_token_logprobs as shifted_token_logprobs
+from sparserl_jax.rollout.sampling import token_logprobs as token_logprobs
 
 Aggregation = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 AGGREGATIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
@@ -20,30 +24,6 @@ KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 # exp() of a log-ratio beyond this overflows fp32 products; verl and slime use the same bound.
 LOG_RATIO_BOUND = 20.0
-
-
-def token_logprobs(
-    logits_btv: Float[Array, "B T V"], targets_bt: Int[Array, "B T"], *, temperature: float = 1.0
-) -> Float[Array, "B T"]:
-    """`log softmax(logits / T)[target]`: the logprob contract of ARCHITECTURE §3.
-
-    No top-k / top-p truncation: the sampler records the same quantity, so with no compression
-    and equal temperature, sampler and learner logprobs agree.
-    """
-    z_btv = logits_btv.astype(jnp.float32) / temperature
-    picked_bt = jnp.take_along_axis(z_btv, targets_bt[..., None], axis=-1)[..., 0]
-    return picked_bt - jax.nn.logsumexp(z_btv, axis=-1)
-
-
-def shifted_token_logprobs(
-    logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T"], *, temperature: float = 1.0
-) -> Float[Array, "B T"]:
-    """Teacher-forced logprob of every token given its prefix, aligned with `tokens_bt`.
-
-    `logits_btv[:, t]` predicts `tokens_bt[:, t + 1]`; column 0 (no prefix) is 0.
-    """
-    logp_bt = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:], temperature=temperature)
-    return jnp.pad(logp_bt, ((0, 0), (1, 0)))
 
 
 def entropy_from_logits(

@@ -1,4 +1,22 @@
-"""Sampling and generation (the continuous-batching engine on the paged cache builds on these)."""
+"""Rollouts: the jitted continuous-batching engine on the paged (optionally compressed) KV cache,
+sampling with the logprob contract, dense old-policy logprobs, and the simple static sampler."""
 
+from sparserl_jax.rollout.config import RolloutConfig, RolloutResult
+from sparserl_jax.rollout.engine import RolloutEngine
 from sparserl_jax.rollout.generate import Generation, generate, pad_prompts
-from sparserl_jax.rollout.sampling import sample, token_logprobs
+from sparserl_jax.rollout.logprobs import dense_logprobs
+from sparserl_jax.rollout.sampling import request_keys, sample, step_keys, token_logprobs
+
+__all__ = [
+    "Generation",
+    "RolloutConfig",
+    "RolloutEngine",
+    "RolloutResult",
+    "dense_logprobs",
+    "generate",
+    "pad_prompts",
+    "request_keys",
+    "sample",
+    "step_keys",
+    "token_logprobs",
+]

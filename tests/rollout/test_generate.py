@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+from rollout_helpers import stepwise_greedy
 
 from sparserl_jax.rollout import generate, sample, token_logprobs
 from sparserl_jax.testing import tiny_model
@@ -13,11 +14,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
 def test_greedy_equals_stepwise_argmax():
     model = tiny_model()
     out = generate(model, PROMPTS, max_new_tokens=7)
-    for i, prompt in enumerate(PROMPTS):
-        seq = list(prompt)
-        for _ in range(7):
-            seq.append(int(jnp.argmax(model(jnp.asarray([seq]))[0, -1])))
-        assert out.tokens[i].tolist() == seq[len(prompt) :]
+    np.testing.assert_array_equal(out.tokens, stepwise_greedy(model, PROMPTS, 7))
     assert out.lengths.tolist() == [7, 7, 7]
 
 

@@ -1,0 +1,148 @@
+"""What a rollout is asked for (`RolloutConfig`) and what it returns (`RolloutResult`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from sparserl_jax.kvcache import CompressionConfig
+from sparserl_jax.kvcache.config import cdiv
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Settings of a `RolloutEngine` (all static: changing one means a new engine).
+
+    Attributes:
+      num_slots: sequences decoded at once; a finished one frees its slot and pages at once and a
+        waiting request is prefilled into it between chunks (continuous batching).
+      max_prompt_len: the longest prompt accepted (prompts are padded to it for prefill).
+      max_new_tokens: completion tokens per request at most (the stop token counts).
+      temperature: softmax temperature T; 0 is greedy (logprobs then use T = 1).
+      top_k: keep the k most likely tokens when sampling (0: off).
+      top_p: nucleus sampling mass (1: off). Truncation changes what is sampled, never the
+        recorded logprob (`log softmax(logits / T)`, ARCHITECTURE.md §3).
+      stop_token_ids: a completion ends after the first of these (it is included).
+      n_samples: completions per prompt (a GRPO group), rows `i * n_samples + j`.
+      chunk_steps: decode steps per jitted chunk; the host syncs once per chunk.
+      seed: the run seed; request keys derive from `(seed, i, j)` unless per-prompt seeds given.
+      kv: KV compression; None or policy "none" keeps every token (dense).
+      page_size: tokens per KV page.
+      num_pages: pages in the pool; None sizes it for `num_slots` slots at their worst case.
+    """
+
+    num_slots: int = 8
+    max_prompt_len: int = 64
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    n_samples: int = 1
+    chunk_steps: int = 16
+    seed: int = 0
+    kv: CompressionConfig | None = None
+    page_size: int = 16
+    num_pages: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_slots", "max_prompt_len", "max_new_tokens", "n_samples", "chunk_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if isinstance(self.stop_token_ids, list):  # from YAML / the CLI
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if not isinstance(self.stop_token_ids, tuple) or any(
+            not isinstance(t, int) or t < 0 for t in self.stop_token_ids
+        ):
+            raise ValueError(
+                f"stop_token_ids must be a tuple of token ids >= 0, got {self.stop_token_ids!r}"
+            )
+        if self.kv is not None and not isinstance(self.kv, CompressionConfig):
+            raise ValueError(f"kv must be a CompressionConfig or None, got {type(self.kv)}")
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.num_pages is not None and self.num_pages < self.pages_per_slot:
+            raise ValueError(
+                f"num_pages={self.num_pages} cannot hold one sequence: a slot can need "
+                f"{self.pages_per_slot} pages (max_prompt_len + max_new_tokens, or the "
+                "compression budget + interval); use None to size the pool automatically"
+            )
+
+    @property
+    def sparse(self) -> bool:
+        return self.kv is not None and self.kv.policy != "none"
+
+    @property
+    def compression(self) -> CompressionConfig:
+        """The cache's compression config (policy "none" when dense)."""
+        return self.kv if self.kv is not None else CompressionConfig(policy="none")
+
+    @property
+    def max_len(self) -> int:
+        return self.max_prompt_len + self.max_new_tokens
+
+    @property
+    def pages_per_slot(self) -> int:
+        """The most pages one sequence can hold at once."""
+        full = cdiv(self.max_len, self.page_size)
+        if not self.sparse:
+            return full
+        return min(full, self.kv.pages_per_slot(self.page_size, self.max_prompt_len))
+
+    @property
+    def pool_pages(self) -> int:
+        return (
+            self.num_pages if self.num_pages is not None else self.num_slots * self.pages_per_slot
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutResult:
+    """Per request (row `i * n_samples + j` = sample j of prompt i), numpy arrays.
+
+    `completion_ids[r, :completion_lens[r]]` is the completion (stop token included when it
+    ended on one), 0 after; `completion_mask` marks exactly those tokens and `sampler_logprobs`
+    holds their `log softmax(logits / T)` (0 elsewhere). `tokens_evicted` counts the KV entries
+    the compression dropped while it was generated; `weight_version` the weights it sampled with.
+    `stats`: generated_tokens, seconds, tokens_per_s, kv_peak_bytes (peak pages in use x bytes
+    per page), chunks.
+    """
+
+    prompt_ids: list[list[int]]
+    completion_ids: np.ndarray  # int32 [R, max_new]
+    sampler_logprobs: np.ndarray  # float32 [R, max_new]
+    completion_mask: np.ndarray  # bool [R, max_new]
+    prompt_lens: np.ndarray  # int32 [R]
+    completion_lens: np.ndarray  # int32 [R]
+    tokens_evicted: np.ndarray  # int32 [R]
+    weight_version: np.ndarray  # int32 [R]
+    finished_by_stop: np.ndarray  # bool [R]
+    stats: dict[str, Any]
+
+    def sequences(self, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The learner's layout: `tokens_bt` = prompt ++ completion ++ padding (left-aligned,
+        width `max(prompt_lens) + max_new`), `mask_bt` on the completion tokens and
+        `sampler_logp_bt`, both aligned with `tokens_bt` (entry t is about token t)."""
+        r, g = self.completion_ids.shape
+        width = int(self.prompt_lens.max()) + g
+        tokens = np.full((r, width), pad_id, np.int32)
+        mask = np.zeros((r, width), bool)
+        logp = np.zeros((r, width), np.float32)
+        for row in range(r):
+            p, n = int(self.prompt_lens[row]), int(self.completion_lens[row])
+            tokens[row, :p] = self.prompt_ids[row]
+            tokens[row, p : p + n] = self.completion_ids[row, :n]
+            mask[row, p : p + n] = True
+            logp[row, p : p + n] = self.sampler_logprobs[row, :n]
+        return tokens, mask, logp

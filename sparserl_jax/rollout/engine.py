@@ -1,0 +1,355 @@
+"""The rollout engine: jitted prefill and chunked decode on the paged cache, continuous batching.
+
+    engine = RolloutEngine(model, RolloutConfig(num_slots=8, max_new_tokens=128, n_samples=4))
+    result = engine.generate(prompts, params=published_bf16_params, weight_version=v)
+
+Device side, two jitted programs, traced once per engine (shapes are fixed by the config, the
+cache and the decode state are donated, the weights are an argument, so new weights never
+recompile):
+- `prefill`: the prompts of the slots being filled, padded to `max_prompt_len`, go through
+  `model.decode` in one call (other slots are masked out and untouched); the logits of each
+  prompt's last token are kept for the first sample.
+- `chunk`: a `lax.while_loop` of up to `chunk_steps` decode steps, stopping early when every slot
+  is idle. A step samples one token per live slot from its kept logits (per-request keys, so a
+  request's tokens do not depend on its slot), records token and logprob, ends the slot on a stop
+  token or at `max_new_tokens` (its pages go back to the pool in the same step), feeds the other
+  tokens through `model.decode`, and compresses the rows that are due (`kvcache.compress`:
+  length > budget and the step counter on the interval).
+
+Host side, one sync per chunk (a single `device_get` of the chunk's tokens, the slot states and
+the pool's free count): finished slots hand their rows to the result; waiting requests are
+admitted into free slots while the pool can still give every live slot its worst case, so the
+pool never overflows and memory is bounded by the pool, not by batch x max length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparserl_jax.kvcache import (
+    PagedKVCache,
+    compress,
+    paged_cache_for,
+    release_slots,
+    should_compress,
+)
+from sparserl_jax.kvcache.paged import PoolExhaustedError
+from sparserl_jax.rollout.config import RolloutConfig, RolloutResult
+from sparserl_jax.rollout.sampling import request_keys, sample, step_keys
+
+
+class SlotState(NamedTuple):
+    """Per-slot decode state carried between chunks (device arrays, `S` = slots)."""
+
+    logits_sv: jax.Array  # fp32 [S, V]: the logits the slot's next token is sampled from
+    keys_s2: jax.Array  # uint32 [S, 2]: the slot's request key
+    active_s: jax.Array  # bool [S]: generating
+    generated_s: jax.Array  # int32 [S]: completion tokens so far
+    stopped_s: jax.Array  # bool [S]: ended on a stop token
+    evicted_s: jax.Array  # int32 [S]: tokens evicted, frozen when the slot finishes
+
+
+class ChunkOut(NamedTuple):
+    """What one chunk emitted: `emit_sc[s, c]` marks a token of slot s at chunk step c."""
+
+    tokens_sc: jax.Array
+    logp_sc: jax.Array
+    emit_sc: jax.Array
+
+
+class RolloutEngine:
+    """Samples completions for token-id prompts with a fixed number of slots (module docstring).
+
+    `model` is an NNX `Transformer`; its graph is kept, its weights are the default `params`.
+    """
+
+    def __init__(self, model: nnx.Module, config: RolloutConfig):
+        self.config = config
+        self.graphdef, state = nnx.split(model)
+        self.model_cfg = model.cfg
+        self.default_params = nnx.to_pure_dict(state)
+        self.stop_ids = jnp.asarray(list(config.stop_token_ids) or [-1], jnp.int32)
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
+        self._chunk = jax.jit(self._chunk_impl, donate_argnums=(1, 2))
+        # Built under jit so every leaf is its own buffer (eager creation shares zero arrays,
+        # which donation refuses).
+        self._init = jax.jit(self._empty)
+
+    # ---- device programs -------------------------------------------------------------------
+
+    def _prefill_impl(self, params, cache, slots: SlotState, tokens_sp, lens_s, fill_s, req_s4):
+        model = nnx.merge(self.graphdef, params)
+        # req_s4 = (seed, prompt index, sample index, per-prompt seed?) of each filled slot.
+        keys_s2 = request_keys(
+            req_s4[:, 0].astype(jnp.uint32), req_s4[:, 1], req_s4[:, 2], req_s4[:, 3] > 0
+        )
+        p = tokens_sp.shape[1]
+        mask_sp = (jnp.arange(p, dtype=jnp.int32)[None, :] < lens_s[:, None]) & fill_s[:, None]
+        logits_spv, cache = model.decode(tokens_sp, cache, mask_sp)
+        last_s = jnp.maximum(lens_s - 1, 0)
+        last_sv = jnp.take_along_axis(logits_spv, last_s[:, None, None], axis=1)[:, 0]
+        zero_s = jnp.zeros_like(slots.generated_s)
+        slots = SlotState(
+            logits_sv=jnp.where(fill_s[:, None], last_sv.astype(jnp.float32), slots.logits_sv),
+            keys_s2=jnp.where(fill_s[:, None], keys_s2, slots.keys_s2),
+            active_s=slots.active_s | fill_s,
+            generated_s=jnp.where(fill_s, zero_s, slots.generated_s),
+            stopped_s=slots.stopped_s & ~fill_s,
+            evicted_s=jnp.where(fill_s, zero_s, slots.evicted_s),
+        )
+        return cache, slots
+
+    def _step(self, model, cache: PagedKVCache, slots: SlotState):
+        cfg = self.config
+        keys = step_keys(slots.keys_s2, slots.generated_s)
+        tok_s, logp_s = sample(
+            slots.logits_sv, keys, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p
+        )
+        emit_s = slots.active_s
+        tok_s = jnp.where(emit_s, tok_s, 0)
+        logp_s = jnp.where(emit_s, logp_s, 0.0)
+        generated_s = slots.generated_s + emit_s.astype(jnp.int32)
+        stop_s = emit_s & jnp.isin(tok_s, self.stop_ids)
+        finish_s = emit_s & (stop_s | (generated_s >= cfg.max_new_tokens))
+        live_s = emit_s & ~finish_s
+        logits_s1v, cache = model.decode(tok_s[:, None], cache, live_s[:, None])
+        evicted_s = jnp.where(finish_s, cache.evicted_b, slots.evicted_s)
+        # A finished sequence gives its pages back in the step it ends, not at the chunk's end.
+        # Unconditional (a no-op when nothing finished): it touches only the small page-table
+        # arrays, while a `lax.cond` over the cache would carry (and may copy) the page pools.
+        cache = release_slots(cache, finish_s)
+        slots = SlotState(
+            logits_sv=jnp.where(live_s[:, None], logits_s1v[:, 0], slots.logits_sv),
+            keys_s2=slots.keys_s2,
+            active_s=live_s,
+            generated_s=generated_s,
+            stopped_s=slots.stopped_s | stop_s,
+            evicted_s=evicted_s,
+        )
+        return cache, slots, (tok_s, logp_s, emit_s)
+
+    def _chunk_impl(self, params, cache, slots: SlotState):
+        model = nnx.merge(self.graphdef, params)
+        s, c = slots.active_s.shape[0], self.config.chunk_steps
+        out = ChunkOut(
+            jnp.zeros((s, c), jnp.int32), jnp.zeros((s, c), jnp.float32), jnp.zeros((s, c), bool)
+        )
+
+        def steps_left(i, slots):
+            return (i < c) & jnp.any(slots.active_s)
+
+        def body(carry):
+            i, cache, slots, out = carry
+            cache, slots, (tok_s, logp_s, emit_s) = self._step(model, cache, slots)
+            out = ChunkOut(
+                out.tokens_sc.at[:, i].set(tok_s),
+                out.logp_sc.at[:, i].set(logp_s),
+                out.emit_sc.at[:, i].set(emit_s),
+            )
+            return i + 1, cache, slots, out
+
+        carry = (jnp.int32(0), cache, slots, out)
+        if not self.config.sparse:
+            carry = jax.lax.while_loop(lambda x: steps_left(x[0], x[2]), body, carry)
+        else:
+            kv = self.config.kv
+
+            # Decode until a compression is due (a row above budget with the step counter on
+            # the interval), then compress, outside the inner loop: the compression's
+            # `lax.cond` carries the page pools, so it runs once per compression instead of
+            # once per step. Same order of operations as compressing after every step.
+            def segment(carry):
+                carry = jax.lax.while_loop(
+                    lambda x: steps_left(x[0], x[2]) & ~jnp.any(should_compress(x[1], kv)),
+                    body,
+                    carry,
+                )
+                i, cache, slots, out = carry
+                return i, compress(cache, kv), slots, out
+
+            carry = jax.lax.while_loop(lambda x: steps_left(x[0], x[2]), segment, carry)
+        _, cache, slots, out = carry
+        return cache, slots, out
+
+    # ---- host loop -------------------------------------------------------------------------
+
+    def _empty(self) -> tuple[PagedKVCache, SlotState]:
+        cfg, mcfg = self.config, self.model_cfg
+        cache = paged_cache_for(
+            mcfg,
+            cfg.compression,
+            batch=cfg.num_slots,
+            max_len=cfg.max_len,
+            prompt_len=cfg.max_prompt_len,
+            page_size=cfg.page_size,
+            num_pages=cfg.pool_pages,
+        )
+        s = cfg.num_slots
+        zero_s = jnp.zeros((s,), jnp.int32)
+        slots = SlotState(
+            logits_sv=jnp.zeros((s, mcfg.vocab_size), jnp.float32),
+            keys_s2=jnp.zeros((s, 2), jnp.uint32),
+            active_s=jnp.zeros((s,), bool),
+            generated_s=zero_s,
+            stopped_s=jnp.zeros((s,), bool),
+            evicted_s=zero_s,
+        )
+        return cache, slots
+
+    def warmup(self, params: Any = None) -> None:
+        """Compile prefill and chunk ahead of time (on an idle batch: nothing is generated)."""
+        params = self.default_params if params is None else params
+        s, p = self.config.num_slots, self.config.max_prompt_len
+        cache, slots = self._init()
+        none_s = np.zeros(s, bool)
+        cache, slots = self._prefill(
+            params,
+            cache,
+            slots,
+            np.zeros((s, p), np.int32),
+            np.zeros(s, np.int32),
+            none_s,
+            np.zeros((s, 4), np.uint32),
+        )
+        jax.block_until_ready(self._chunk(params, cache, slots))
+
+    def _check_prompts(self, prompts: Sequence[Sequence[int]], seeds) -> None:
+        cfg = self.config
+        if not prompts:
+            raise ValueError("generate needs at least one prompt")
+        for i, p in enumerate(prompts):
+            if not 1 <= len(p) <= cfg.max_prompt_len:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; allowed 1..max_prompt_len="
+                    f"{cfg.max_prompt_len}"
+                )
+            if min(p) < 0 or max(p) >= self.model_cfg.vocab_size:
+                raise ValueError(
+                    f"prompt {i} has token ids outside [0, {self.model_cfg.vocab_size})"
+                )
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts (one each)")
+        if seeds is not None and any(not 0 <= int(x) < 2**32 for x in seeds):
+            raise ValueError(f"seeds must be in [0, 2**32), got {list(seeds)}")
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        *,
+        params: Any = None,
+        weight_version: int = 0,
+        seeds: Sequence[int] | None = None,
+    ) -> RolloutResult:
+        """Sample `n_samples` completions of every prompt (see `RolloutResult` for the layout).
+
+        `params`: an `nnx` pure dict of the model state (e.g. the published bf16 weights);
+        None uses the model's own. `seeds`: one per prompt (default: derived from config.seed).
+        """
+        cfg = self.config
+        self._check_prompts(prompts, seeds)
+        params = self.default_params if params is None else params
+        start = time.perf_counter()
+        n = cfg.n_samples
+        num_req = len(prompts) * n
+        # Per request: (seed, prompt index, sample index, seed is per-prompt); keys are derived
+        # from these inside prefill, so nothing here runs (or compiles) eagerly.
+        req_r4 = np.zeros((num_req, 4), np.int64)
+        req_r4[:, 0] = cfg.seed if seeds is None else np.repeat(np.asarray(seeds, np.int64), n)
+        req_r4[:, 1] = np.arange(num_req) // n
+        req_r4[:, 2] = np.arange(num_req) % n
+        req_r4[:, 3] = seeds is not None
+        out_tok = np.zeros((num_req, cfg.max_new_tokens), np.int32)
+        out_logp = np.zeros((num_req, cfg.max_new_tokens), np.float32)
+        lens = np.zeros(num_req, np.int32)
+        evicted = np.zeros(num_req, np.int32)
+        stopped = np.zeros(num_req, bool)
+
+        cache, slots = self._init()
+        s = cfg.num_slots
+        slot_req = np.full(s, -1, np.int64)
+        waiting = list(range(num_req))
+        free_pages, pages_s = cfg.pool_pages, np.zeros(s, np.int64)
+        chunks = 0
+        while waiting or (slot_req >= 0).any():
+            fill = self._admit(slot_req, waiting, free_pages, pages_s)
+            if fill.any():
+                tokens_sp = np.zeros((s, cfg.max_prompt_len), np.int32)
+                lens_s = np.zeros(s, np.int32)
+                req_s4 = np.zeros((s, 4), np.int64)
+                for slot in np.flatnonzero(fill):
+                    prompt = prompts[slot_req[slot] // n]
+                    tokens_sp[slot, : len(prompt)] = prompt
+                    lens_s[slot] = len(prompt)
+                    req_s4[slot] = req_r4[slot_req[slot]]
+                cache, slots = self._prefill(
+                    params, cache, slots, tokens_sp, lens_s, fill, req_s4.astype(np.uint32)
+                )
+            cache, slots, out = self._chunk(params, cache, slots)
+            chunks += 1
+            host = jax.device_get(
+                (out, slots.active_s, slots.stopped_s, slots.evicted_s)
+                + (cache.num_pages_b, cache.free_top, cache.overflow_b)
+            )
+            out_h, active, stop_s, evicted_s, pages_s, free_pages, overflow = host
+            if overflow.any():  # admission control makes this unreachable; never return garbage
+                raise PoolExhaustedError(f"KV pool overflowed in slots {np.flatnonzero(overflow)}")
+            for slot in np.flatnonzero(slot_req >= 0):
+                r = slot_req[slot]
+                emitted = out_h.emit_sc[slot]
+                k = int(emitted.sum())
+                out_tok[r, lens[r] : lens[r] + k] = out_h.tokens_sc[slot, emitted]
+                out_logp[r, lens[r] : lens[r] + k] = out_h.logp_sc[slot, emitted]
+                lens[r] += k
+                if not active[slot]:
+                    evicted[r], stopped[r] = evicted_s[slot], stop_s[slot]
+                    slot_req[slot] = -1
+        seconds = time.perf_counter() - start
+        mask = np.arange(cfg.max_new_tokens)[None, :] < lens[:, None]
+        peak = int(cache.peak_pages) * cache.page_bytes
+        generated = int(lens.sum())
+        return RolloutResult(
+            prompt_ids=[list(map(int, prompts[r // n])) for r in range(num_req)],
+            completion_ids=out_tok,
+            sampler_logprobs=out_logp,
+            completion_mask=mask,
+            prompt_lens=np.array([len(prompts[r // n]) for r in range(num_req)], np.int32),
+            completion_lens=lens,
+            tokens_evicted=evicted,
+            weight_version=np.full(num_req, weight_version, np.int32),
+            finished_by_stop=stopped,
+            stats={
+                "generated_tokens": generated,
+                "seconds": seconds,
+                "tokens_per_s": generated / seconds if seconds > 0 else float("nan"),
+                "kv_peak_bytes": peak,
+                "chunks": chunks,
+            },
+        )
+
+    def _admit(self, slot_req, waiting, free_pages, pages_s) -> np.ndarray:
+        """Put waiting requests into free slots while the pool can still give every live slot
+        (and the new one) its worst case; returns the slots to prefill."""
+        per_slot = self.config.pages_per_slot
+        live = slot_req >= 0
+        reserve = int(np.sum(np.where(live, per_slot - pages_s, 0)))
+        budget = int(free_pages) - reserve
+        fill = np.zeros(slot_req.shape, bool)
+        for slot in np.flatnonzero(~live):
+            if not waiting or budget < per_slot:
+                break
+            slot_req[slot] = waiting.pop(0)
+            fill[slot] = True
+            budget -= per_slot
+        if not fill.any() and not live.any() and waiting:
+            raise PoolExhaustedError(
+                f"the pool ({self.config.pool_pages} pages) cannot hold one sequence "
+                f"({per_slot} pages)"
+            )
+        return fill

@@ -1,0 +1,166 @@
+"""Supervised warm start: next-token cross-entropy on (prompt, ideal completion) pairs.
+
+A model trained from scratch never samples a correct answer, so GRPO has no signal; a short SFT
+stage on the task's reference completions (the arithmetic scratchpads, say) gives it a policy
+that is right some of the time, which RL then improves. `sparserl train` runs it first when
+`sft.steps > 0`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jaxtyping import Array, Bool, Float, Int
+
+from sparserl_jax.data import DataConfig, sft_batch, sft_pairs
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    """The optional warm-start stage (`steps: 0` skips it).
+
+    Attributes:
+      steps: optimizer steps of AdamW on the masked cross-entropy of completion tokens.
+      batch_size: (prompt, completion) pairs per step.
+      learning_rate: peak lr of a warm-up + cosine schedule.
+      warmup_steps: linear warm-up steps.
+      weight_decay: AdamW decay of weight matrices.
+      max_len: token length of `prompt + completion + eos` rows; longer pairs are an error.
+      num_examples: distinct training pairs (cycled through in order, reshuffled each epoch).
+      seed: shuffling seed.
+      corrupt_answers: fraction of the demonstrations whose final answer (the last integer of
+        the completion) is replaced by a wrong one, the rest of the completion kept. It
+        simulates noisy SFT data: the warm-started model then often writes a wrong answer after
+        a right derivation, a mistake a verifiable reward can teach it out of (the CPU demo).
+    """
+
+    steps: int = 0
+    batch_size: int = 32
+    learning_rate: float = 3e-3
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    max_len: int = 160
+    num_examples: int = 4096
+    seed: int = 0
+    corrupt_answers: float = 0.0
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ValueError(f"sft.steps must be >= 0, got {self.steps}")
+        if self.batch_size < 1 or self.num_examples < self.batch_size:
+            raise ValueError(
+                f"sft needs 1 <= batch_size <= num_examples, got {self.batch_size}, "
+                f"{self.num_examples}"
+            )
+        if not self.learning_rate > 0:
+            raise ValueError(f"sft.learning_rate must be > 0, got {self.learning_rate}")
+        if self.warmup_steps < 0:
+            raise ValueError(f"sft.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.max_len < 2:
+            raise ValueError(f"sft.max_len must be >= 2, got {self.max_len}")
+        if not 0.0 <= self.corrupt_answers < 1.0:
+            raise ValueError(f"sft.corrupt_answers must be in [0, 1), got {self.corrupt_answers}")
+
+
+_LAST_INT = re.compile(r"-?\d+(?!.*\d)", re.DOTALL)
+
+
+def corrupt_answer(completion: str, rng: np.random.Generator) -> str:
+    """`completion` with its last integer replaced by a different one (off by 1..10)."""
+    m = _LAST_INT.search(completion)
+    if m is None:
+        return completion
+    wrong = int(m.group(0)) + int(rng.choice([-1, 1])) * int(rng.integers(1, 11))
+    return completion[: m.start()] + str(wrong) + completion[m.end() :]
+
+
+def sft_loss(
+    logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T"], mask_bt: Bool[Array, "B T"]
+) -> Float[Array, ""]:
+    """Mean cross-entropy of the masked targets: `logits[:, t]` predicts `tokens[:, t + 1]`,
+    counted where `mask[:, t + 1]` (completion tokens and the eos)."""
+    logp_btv = jax.nn.log_softmax(logits_btv[:, :-1].astype(jnp.float32), axis=-1)
+    target_bt = tokens_bt[:, 1:]
+    nll_bt = -jnp.take_along_axis(logp_btv, target_bt[..., None], axis=-1)[..., 0]
+    m_bt = mask_bt[:, 1:].astype(jnp.float32)
+    return jnp.sum(nll_bt * m_bt) / jnp.maximum(jnp.sum(m_bt), 1.0)
+
+
+def _optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, cfg.learning_rate, cfg.warmup_steps, max(cfg.steps, cfg.warmup_steps + 1)
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(1.0),
+        optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=_matrices),
+    )
+
+
+def _matrices(params):
+    return jax.tree.map(lambda p: p.ndim >= 2, params)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx"), donate_argnums=(0, 1))
+def _step(params, opt_state, tokens_bt, mask_bt, *, graphdef, tx):
+    def loss_fn(p):
+        return sft_loss(nnx.merge(graphdef, p)(tokens_bt), tokens_bt, mask_bt)
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def sft_warm_start(
+    model: nnx.Module,
+    cfg: SFTConfig,
+    data: DataConfig,
+    tokenizer,
+    *,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Train `model` in place for `cfg.steps` steps on `data`'s reference completions; returns
+    the loss of every step. Deterministic for a given config (batches come in a seeded order)."""
+    if cfg.steps == 0:
+        return []
+    pairs = sft_pairs(data, cfg.num_examples)
+    if cfg.corrupt_answers:
+        noise = np.random.default_rng([cfg.seed, 1])
+        pairs = [
+            (p, corrupt_answer(c, noise) if noise.random() < cfg.corrupt_answers else c)
+            for p, c in pairs
+        ]
+    full = sft_batch(pairs, tokenizer, max_len=cfg.max_len)
+    graphdef, state = nnx.split(model)
+    # A copy: the step donates its inputs, and the model keeps valid arrays if training fails.
+    params = jax.tree.map(jnp.copy, nnx.to_pure_dict(state))
+    tx = _optimizer(cfg)
+    opt_state = tx.init(params)
+    rng = np.random.default_rng(cfg.seed)
+    order = np.empty(0, np.int64)
+    losses = []
+    for i in range(cfg.steps):
+        if len(order) < cfg.batch_size:
+            order = np.concatenate([order, rng.permutation(len(pairs))])
+        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        params, opt_state, loss = _step(
+            params,
+            opt_state,
+            jnp.asarray(full.tokens_bt[idx]),
+            jnp.asarray(full.loss_mask_bt[idx]),
+            graphdef=graphdef,
+            tx=tx,
+        )
+        losses.append(float(loss))
+        if on_step is not None:
+            on_step(i + 1, losses[-1])
+    nnx.replace_by_pure_dict(state, params)
+    nnx.update(model, state)
+    return losses

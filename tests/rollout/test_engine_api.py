@@ -1,0 +1,107 @@
+"""The engine's public surface: result layout, stop tokens, per-prompt seeds, weight swaps
+without recompiling, and configuration errors."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparserl_jax.rollout import RolloutConfig, RolloutEngine
+from sparserl_jax.testing import tiny_model
+
+PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [1], [2, 3, 4, 5, 6]]
+MAX_NEW = 9
+
+
+def config(**kw) -> RolloutConfig:
+    base = dict(
+        num_slots=2, max_prompt_len=6, max_new_tokens=MAX_NEW, temperature=1.0, chunk_steps=4
+    )
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+@pytest.fixture(scope="module")
+def sampled():
+    engine = RolloutEngine(tiny_model(seed=3), config(n_samples=2, stop_token_ids=(17,)))
+    return engine, engine.generate(PROMPTS, weight_version=7)
+
+
+def test_result_layout_and_stop_tokens(sampled):
+    _, res = sampled
+    n = len(PROMPTS) * 2
+    assert res.completion_ids.shape == res.sampler_logprobs.shape == (n, MAX_NEW)
+    assert res.prompt_ids == [PROMPTS[r // 2] for r in range(n)]
+    assert res.prompt_lens.tolist() == [len(PROMPTS[r // 2]) for r in range(n)]
+    assert (res.weight_version == 7).all() and (res.tokens_evicted == 0).all()
+    for r in range(n):
+        k = res.completion_lens[r]
+        row = res.completion_ids[r]
+        assert res.completion_mask[r].tolist() == [True] * k + [False] * (MAX_NEW - k)
+        assert (row[k:] == 0).all() and (res.sampler_logprobs[r, k:] == 0).all()
+        stops = np.flatnonzero(row[:k] == 17)
+        if res.finished_by_stop[r]:
+            assert stops.tolist() == [k - 1]  # the stop token is included and ends it
+        else:
+            assert k == MAX_NEW and stops.size == 0
+    assert res.stats["generated_tokens"] == res.completion_lens.sum()
+    assert res.stats["kv_peak_bytes"] > 0
+
+
+def test_per_prompt_seeds_follow_the_prompt(sampled):
+    engine, _ = sampled
+    seeds = [11, 22, 33, 44, 55]
+    a = engine.generate(PROMPTS, seeds=seeds)
+    order = [3, 0, 4, 2, 1]
+    b = engine.generate([PROMPTS[i] for i in order], seeds=[seeds[i] for i in order])
+    for new, old in enumerate(order):
+        for j in range(2):
+            np.testing.assert_array_equal(
+                b.completion_ids[new * 2 + j], a.completion_ids[old * 2 + j]
+            )
+    assert not np.array_equal(a.completion_ids[0], a.completion_ids[1])  # samples differ
+    again = engine.generate(PROMPTS, seeds=seeds)
+    np.testing.assert_array_equal(again.completion_ids, a.completion_ids)
+
+
+def test_new_weights_do_not_recompile():
+    engine = RolloutEngine(tiny_model(seed=3), config(temperature=0.0, max_new_tokens=4))
+    engine.generate(PROMPTS[:2])
+    compiled = (engine._prefill._cache_size(), engine._chunk._cache_size())
+    other = tiny_model(seed=8)
+    params = nnx.to_pure_dict(nnx.state(other))
+    res = engine.generate(PROMPTS[:2], params=params, weight_version=1)
+    assert (engine._prefill._cache_size(), engine._chunk._cache_size()) == compiled
+    assert (res.weight_version == 1).all()
+    # The tokens are greedy under the new weights: each is the argmax of `other`'s forward.
+    tokens_bt, mask_bt, _ = res.sequences()
+    argmax_bt = np.asarray(jnp.argmax(other(jnp.asarray(tokens_bt)), axis=-1))
+    np.testing.assert_array_equal(
+        tokens_bt[:, 1:][mask_bt[:, 1:]], argmax_bt[:, :-1][mask_bt[:, 1:]]
+    )
+
+
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(num_slots=0), "num_slots"),
+        (dict(temperature=-1.0), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_k=-2), "top_k"),
+        (dict(stop_token_ids=(3, -1)), "stop_token_ids"),
+        (dict(num_pages=1, page_size=4), "num_pages"),
+    ],
+)
+def test_config_errors_name_the_value(kw, match):
+    with pytest.raises(ValueError, match=match):
+        config(**kw)
+
+
+def test_prompt_errors(sampled):
+    engine, _ = sampled
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        engine.generate([[1] * 7])
+    with pytest.raises(ValueError, match="seeds"):
+        engine.generate(PROMPTS, seeds=[1, 2])

@@ -283,13 +283,14 @@ def train(cfg, *, log_fn=print, on_step=None) -> dict:
     model = build_model(cfg.model, trainer_mesh)
     learner = Learner(model, cfg.learner, mesh=trainer_mesh)
     ckpt = CheckpointManager(run_dir, keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoint)
-    start_step, data_state = 0, None
+    start_step, data_state, sync_version = 0, None, 0
     restored = None
     if tcfg.resume and ckpt.steps():
         restored = ckpt.restore_latest({"learner": learner.init(model)})
     if restored is not None:
         state, meta = restored[0]["learner"], restored[1]
         start_step, data_state = int(meta["step"]), meta.get("data_state")
+        sync_version = int(meta.get("sync_version", 0))
         log_fn(f"resumed from {ckpt.directory} at step {start_step}")
     else:
         if cfg.sft.steps:
@@ -301,13 +302,15 @@ def train(cfg, *, log_fn=print, on_step=None) -> dict:
             )
         state = learner.init(model)
         # Step 0 = after the warm start: a run killed later never repeats the SFT stage.
-        ckpt.save(0, {"learner": state}, {"data_state": None})
+        ckpt.save(0, {"learner": state}, {"data_state": None, "sync_version": 0})
 
     # -- sampler: its own copy of the published weights, fed by PULSESync --------------------
     rep = SingleDeviceSharding(devices[-1] if sampler_mesh is not None else devices[0])
     shardings = _sampler_shardings(model, sampler_mesh or trainer_mesh, rep)
     transport = InProcessTransport()
-    publisher = Publisher(transport, config=cfg.sync)
+    # The baseline of the sync is bf16(master), re-derived exactly from the restored master; the
+    # version numbering continues from the checkpoint (a new chain starts with an anchor).
+    publisher = Publisher(transport, config=cfg.sync, start_version=sync_version)
     receiver = Receiver(lambda name, shape: shardings[name])
     names = leaf_names(state.params)
     sampler_model = learner.model(state.params)
@@ -420,7 +423,8 @@ def train(cfg, *, log_fn=print, on_step=None) -> dict:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")
             if step % tcfg.save_every == 0 or step == tcfg.steps or guard.requested:
-                ckpt.save(step, {"learner": state}, {"data_state": _jsonable(data_it.get_state())})
+                meta = {"data_state": _jsonable(data_it.get_state()), "sync_version": pub.version}
+                ckpt.save(step, {"learner": state}, meta)
     if bar is not None:
         bar.close()
     ckpt.wait()

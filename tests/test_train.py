@@ -142,3 +142,4 @@ def test_kill9_then_resume_is_bit_identical(tmp_path):
     b, meta_b = _final_state(cut_dir, 8)
     assert_trees_equal(jax.device_get(a), jax.device_get(b))
     assert meta_a["data_state"] == meta_b["data_state"]
+    assert meta_a["sync_version"] == meta_b["sync_version"] == 8  # numbering survives a restart

@@ -91,7 +91,18 @@ def leaf_names(tree) -> list[str]:
 class Publisher:
     """Publishes `bf16(master)` versions to a transport (or just returns the blobs)."""
 
-    def __init__(self, transport: Transport | None = None, *, config: SyncConfig | None = None):
+    def __init__(
+        self,
+        transport: Transport | None = None,
+        *,
+        config: SyncConfig | None = None,
+        start_version: int = 0,
+    ):
+        """`start_version`: the version of the first (anchor) publish, e.g. the version a
+        resumed trainer had reached, so that version numbers keep rising across restarts."""
+        if start_version < 0:
+            raise ValueError(f"start_version must be >= 0, got {start_version}")
+        self._start_version = start_version
         self.transport = transport
         self.config = config or SyncConfig()
         self.version: int | None = None
@@ -109,7 +120,7 @@ class Publisher:
     def _anchor(self) -> bytes:
         leaves = dict(zip(self.names, jax.tree.leaves(self._sent), strict=True))
         full = {k: np.asarray(v, np.uint32) for k, v in leaf_digests(leaves).items()}
-        if self.version and any(not np.array_equal(full[k], self._digests[k]) for k in full):
+        if self._digests and any(not np.array_equal(full[k], self._digests[k]) for k in full):
             raise RuntimeError("incremental digest diverged from the full digest (a PULSESync bug)")
         self._digests = full
         return codec.encode(
@@ -136,14 +147,14 @@ class Publisher:
                 codec.TensorSpec(n, tuple(x.shape), published_dtype(x.dtype, pdt).name)
                 for n, x in zip(self.names, leaves, strict=True)
             ]
-            self.version = 0
+            self.version = self._start_version
             anchor = self._anchor()
-            self._put(0, "anchor", anchor)
+            self._put(self.version, "anchor", anchor)
             numel = sum(s.numel for s in self.specs)
             dense = sum(s.numel * s.itemsize for s in self.specs)
             changed = {s.name: s.numel for s in self.specs}
             return Published(
-                0, None, anchor, changed, numel, dense, encode_s=time.perf_counter() - t0
+                self.version, None, anchor, changed, numel, dense, encode_s=time.perf_counter() - t0
             )
         if jax.tree.structure(master) != self._treedef:
             raise ValueError("master tree structure changed since the first publish")

@@ -143,3 +143,17 @@ def test_kill9_then_resume_is_bit_identical(tmp_path):
     assert_trees_equal(jax.device_get(a), jax.device_get(b))
     assert meta_a["data_state"] == meta_b["data_state"]
     assert meta_a["sync_version"] == meta_b["sync_version"] == 8  # numbering survives a restart
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["rollout.temperature=0.7"], "learner.loss.temperature"),
+        (["rollout.n_samples=1"], "at least 2 samples"),
+        (["train.topology=split", "train.sampler_devices=8"], "sampler_devices=8"),
+    ],
+)
+def test_bad_settings_are_clear_errors(tmp_path, overrides, match):
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", *overrides])
+    with pytest.raises(ValueError, match=match):
+        train(cfg, log_fn=lambda m: None)

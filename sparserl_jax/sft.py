@@ -21,6 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from sparserl_jax.data import DataConfig, sft_batch, sft_pairs
+from sparserl_jax.rl.config import decay_mask
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -100,12 +101,8 @@ def _optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
     )
     return optax.chain(
         optax.clip_by_global_norm(1.0),
-        optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=_matrices),
+        optax.adamw(schedule, weight_decay=cfg.weight_decay, mask=decay_mask),
     )
-
-
-def _matrices(params):
-    return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx"), donate_argnums=(0, 1))

@@ -30,17 +30,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding
 
 from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
 from sparserl_jax.data import Example, compute_rewards, eval_examples, make_reward_fn
 from sparserl_jax.data import prompt_iterator as make_prompt_iterator
 from sparserl_jax.metrics import MetricsWriter, plot_metrics
+from sparserl_jax.parallel import MeshConfig, make_mesh, state_shardings
 from sparserl_jax.rl import Learner, RLBatch, compute_advantages
 from sparserl_jax.rollout import RolloutEngine, RolloutResult
 from sparserl_jax.sft import sft_warm_start
 from sparserl_jax.sync import InProcessTransport, Publisher, Receiver, leaf_names
-from sparserl_jax.sync.mask import from_bits
+from sparserl_jax.sync.mask import from_bits, published_dtype
 
 log = logging.getLogger(__name__)
 
@@ -139,30 +140,35 @@ def step_seeds(seed: int, step: int, n: int) -> list[int]:
 # ---------------------------------------------------------------------------------------------
 
 
+def published_params(bits_tree, like, publish_dtype):
+    """Published bits (a PULSESync tree) as parameters with the dtypes of `like`: exact, since
+    every published value is representable in the (wider) parameter dtype."""
+    return jax.tree.map(
+        lambda b, x: from_bits(b, published_dtype(x.dtype, publish_dtype)).astype(x.dtype),
+        bits_tree,
+        like,
+    )
+
+
 @dataclasses.dataclass
 class _Sampler:
-    """The sampler's devices, its published weights (received through PULSESync) and engines."""
+    """The sampler's weights (received through PULSESync) and its engines."""
 
     receiver: Receiver
-    transport: InProcessTransport
     treedef: Any
     names: list[str]
-    param_dtypes: list[Any]
+    like: Any  # the parameter tree's shapes and dtypes
+    publish_dtype: Any
     engine: RolloutEngine
     eval_engine: RolloutEngine
 
     def params(self):
-        """The sampler's weights: its bf16 bits, cast to the model's parameter dtype (exact)."""
-        leaves = [
-            from_bits(self.receiver.arrays[n], jnp.bfloat16).astype(dt)
-            for n, dt in zip(self.names, self.param_dtypes, strict=True)
-        ]
-        return jax.tree.unflatten(self.treedef, leaves)
+        """The sampler's weights: its published bits, cast to the model's parameter dtypes."""
+        bits = self.receiver.tree(self.treedef, self.names)
+        return published_params(bits, self.like, self.publish_dtype)
 
 
 def _meshes(cfg, devices) -> tuple[Mesh, Mesh | None]:
-    from sparserl_jax.parallel import make_mesh
-
     if cfg.train.topology == "colocated":
         return make_mesh(cfg.mesh, devices), None
     k = cfg.train.sampler_devices
@@ -172,26 +178,17 @@ def _meshes(cfg, devices) -> tuple[Mesh, Mesh | None]:
             f"have {len(devices)} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8)"
         )
     trainer = make_mesh(cfg.mesh, devices[: len(devices) - k])
-    sampler = Mesh(
-        np.asarray(devices[len(devices) - k :], object).reshape(1, k, 1), trainer.axis_names
-    )
-    return trainer, sampler
+    return trainer, make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), devices[len(devices) - k :])
 
 
-def _sampler_shardings(model: nnx.Module, mesh: Mesh | None, fallback) -> dict[str, Any]:
+def _sampler_shardings(model: nnx.Module, mesh: Mesh) -> dict[str, Any]:
     """Per leaf name, the sharding the sampler holds that weight with."""
     state = nnx.state(model)
-    params = nnx.to_pure_dict(state)
-    names = leaf_names(params)
-    if mesh is None:
-        return {n: fallback for n in names}
-    from sparserl_jax.parallel import state_shardings
-
     shardings = jax.tree.leaves(
         nnx.to_pure_dict(state_shardings(state, mesh)),
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return dict(zip(names, shardings, strict=True))
+    return dict(zip(leaf_names(nnx.to_pure_dict(state)), shardings, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -305,25 +302,23 @@ def train(cfg, *, log_fn=print, on_step=None) -> dict:
         ckpt.save(0, {"learner": state}, {"data_state": None, "sync_version": 0})
 
     # -- sampler: its own copy of the published weights, fed by PULSESync --------------------
-    rep = SingleDeviceSharding(devices[-1] if sampler_mesh is not None else devices[0])
-    shardings = _sampler_shardings(model, sampler_mesh or trainer_mesh, rep)
+    shardings = _sampler_shardings(model, sampler_mesh or trainer_mesh)
     transport = InProcessTransport()
     # The baseline of the sync is bf16(master), re-derived exactly from the restored master; the
     # version numbering continues from the checkpoint (a new chain starts with an anchor).
     publisher = Publisher(transport, config=cfg.sync, start_version=sync_version)
     receiver = Receiver(lambda name, shape: shardings[name])
-    names = leaf_names(state.params)
     sampler_model = learner.model(state.params)
+    pdt = cfg.sync.jnp_publish_dtype
     sampler = _Sampler(
         receiver=receiver,
-        transport=transport,
         treedef=jax.tree.structure(state.params),
-        names=names,
-        param_dtypes=[x.dtype for x in jax.tree.leaves(state.params)],
+        names=leaf_names(state.params),
+        like=jax.eval_shape(lambda p: p, state.params),
+        publish_dtype=pdt,
         engine=RolloutEngine(sampler_model, rcfg),
         eval_engine=RolloutEngine(
-            sampler_model,
-            dataclasses.replace(rcfg, temperature=0.0, n_samples=1, kv=rcfg.kv),
+            sampler_model, dataclasses.replace(rcfg, temperature=0.0, n_samples=1)
         ),
     )
     publisher.publish(state.params)
@@ -371,11 +366,7 @@ def train(cfg, *, log_fn=print, on_step=None) -> dict:
 
             # pi_old: the dense policy with the sampler's (published) weights, on the trainer.
             t0 = time.perf_counter()
-            old_params = jax.tree.map(
-                lambda b, x: from_bits(b, jnp.bfloat16).astype(x.dtype),
-                publisher.sent_bits,
-                state.params,
-            )
+            old_params = published_params(publisher.sent_bits, state.params, pdt)
             rl = rl._replace(old_logp_bt=learner.logprobs(old_params, rl.tokens_bt))
             t_old = time.perf_counter() - t0
 

@@ -134,11 +134,11 @@ class OptimizerConfig:
             b2=self.b2,
             eps=self.eps,
             weight_decay=self.weight_decay,
-            mask=_matrices,
+            mask=decay_mask,
         )
 
 
-def _matrices(params):
+def decay_mask(params):
     # Decay weight matrices only: biases and norm scales are not decayed (Megatron, most LLM
     # trainers).
     return jax.tree.map(lambda p: p.ndim >= 2, params)

@@ -1,7 +1,8 @@
 """PULSELoCo benchmark: DDP vs DiLoCo vs PULSELoCo from one pretrained start, same data and steps.
 
-    python tools/bench_loco.py --json                 # lr 3e-6 (post-training regime)
+    python tools/bench_loco.py --json                 # GRPO post-training at lr 3e-6
     python tools/bench_loco.py --lr 1e-4 --json       # where the savings shrink
+    python tools/bench_loco.py --task shift --json    # supervised fine-tuning on a shifted chain
 
 Prints progress to stderr and, with --json, one JSON line last on stdout:
 `{"ddp": {"final_loss", "bytes", ...}, "diloco": {...}, "pulseloco": {...}, "summary": {...},
@@ -27,7 +28,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--pretrain-lr", type=float, default=1e-3)
-    p.add_argument("--shift", type=float, default=0.5, help="fraction of chain rows changed")
+    p.add_argument("--task", default="rl", choices=("rl", "shift"), help="post-training task")
+    p.add_argument("--shift", type=float, default=0.5, help="shift task: chain rows changed")
+    p.add_argument("--group-size", type=int, default=8, help="rl task: completions per prompt")
+    p.add_argument("--target-mod", type=int, default=8, help="rl task: target ids are multiples of this")
+    p.add_argument("--eval-prompts", type=int, default=64, help="rl task: held-out prompts")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)
@@ -44,7 +49,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = LoCoBenchConfig(
         lr=a.lr, replicas=a.replicas, inner_steps=a.inner_steps, rounds=a.rounds,
         preset=a.preset, batch=a.batch, seq_len=a.seq_len, pretrain_steps=a.pretrain_steps,
-        pretrain_lr=a.pretrain_lr, shift=a.shift, outer_lr=a.outer_lr,
+        pretrain_lr=a.pretrain_lr, task=a.task, shift=a.shift, group_size=a.group_size,
+        target_mod=a.target_mod, eval_prompts=a.eval_prompts, outer_lr=a.outer_lr,
         outer_momentum=a.outer_momentum, seed=a.seed,
     )  # fmt: skip
     result = run(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))

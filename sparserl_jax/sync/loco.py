@@ -20,6 +20,15 @@ and g = (1/R) Σ_r scatter(sent_r): an entry sent by only some replicas is still
 Outer momentum is kept (unlike SparseLoCo). The gate compares bit patterns with the PULSESync
 mask (`mask.visible_mask`), so ±0 and NaN are exact.
 
+Payload formats (the positions of the sent entries; the values are always fp32):
+
+  - "index": an int32 flat index per entry, 8 B per entry in all (grail sends int64, 12 B);
+  - "bitmask": the gate itself packed 8 entries to a byte, ceil(P/8) B, plus 4 B per entry.
+
+The bitmask is smaller once more than P/32 entries are sent (density above 1/32 = 3.1%); with
+`payload="auto"` every round takes the smaller of the two for its padded all-gather. Both carry
+the same (index, value) pairs, so the new θ is bit-identical whichever travels.
+
 This module holds the math on flat fp32 parameter vectors (P = number of parameters) and the byte
 accounting; `loco_runtime.LoCoTrainer` runs it over device groups or processes.
 """
@@ -33,12 +42,14 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import optax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, UInt8
 
 from sparserl_jax.sync.mask import publish_bits, visible_mask
 
 Method = Literal["diloco", "pulseloco"]
 METHODS = ("diloco", "pulseloco")
+PayloadFormat = Literal["index", "bitmask"]
+PAYLOADS = ("auto", "index", "bitmask")
 GATE_DTYPES = ("bfloat16", "float16")
 
 # Wire sizes: a PULSELoCo payload entry is an int32 flat index and an fp32 value; each replica
@@ -65,6 +76,8 @@ class LoCoConfig:
       gate_dtype: the low-precision forward dtype whose visibility gates an entry.
       pad_multiple: the payload all-gather pads every replica to the max count across replicas,
         rounded up to this multiple (larger values mean fewer distinct shapes to compile).
+      payload: how the positions of the sent entries travel: "index" (int32 per entry),
+        "bitmask" (the packed gate) or "auto" (the smaller of the two, chosen every round).
     """
 
     method: Method = "pulseloco"
@@ -75,6 +88,7 @@ class LoCoConfig:
     gate: bool = True
     gate_dtype: Literal["bfloat16", "float16"] = "bfloat16"
     pad_multiple: int = 1
+    payload: Literal["auto", "index", "bitmask"] = "auto"
 
     def __post_init__(self):
         if self.method not in METHODS:
@@ -91,6 +105,8 @@ class LoCoConfig:
             )
         if not isinstance(self.pad_multiple, int) or self.pad_multiple < 1:
             raise ValueError(f"pad_multiple must be an int >= 1, got {self.pad_multiple!r}")
+        if self.payload not in PAYLOADS:
+            raise ValueError(f"payload {self.payload!r} unknown; expected one of {PAYLOADS}")
         if self.method == "diloco" and not self.gate:
             raise ValueError("gate=False only applies to method='pulseloco' (DiLoCo has no gate)")
 
@@ -107,6 +123,15 @@ class LoCoConfig:
         """Payload length every replica pads to: max count rounded up, at least one entry."""
         n = max(int(max_count), 1)
         return -(-n // self.pad_multiple) * self.pad_multiple
+
+    def payload_format(self, num_params: int, padded: int) -> PayloadFormat:
+        """The format of a round whose payloads are padded to `padded` entries."""
+        if self.payload != "auto":
+            return self.payload
+        index = padded_payload_bytes(1, padded, num_params, "index")
+        return (
+            "bitmask" if padded_payload_bytes(1, padded, num_params, "bitmask") < index else "index"
+        )
 
 
 def pseudo_gradient(
@@ -174,12 +199,30 @@ def compact(
 
     Padding uses index P (out of range, dropped by `mean_of_payloads`) and value 0.
     """
+    index = mask_indices(mask_p, size)
+    return index, values_p.at[index].get(mode="fill", fill_value=0)
+
+
+def pack_mask(mask_p: Bool[Array, " P"]) -> UInt8[Array, " M"]:
+    """The gate as `ceil(P/8)` bytes: bit j of byte i is entry 8i + j (numpy's little bitorder)."""
+    num = mask_p.shape[0]
+    bits = jnp.pad(mask_p.astype(jnp.uint8), (0, -num % 8)).reshape(-1, 8)
+    return jnp.sum(bits << jnp.arange(8, dtype=jnp.uint8)[None, :], axis=1, dtype=jnp.uint8)
+
+
+def unpack_mask(packed_m: UInt8[Array, " M"], num_params: int) -> Bool[Array, " P"]:
+    """Inverse of `pack_mask`: the first `num_params` bits as booleans."""
+    bits = (packed_m[:, None] >> jnp.arange(8, dtype=jnp.uint8)[None, :]) & 1
+    return bits.reshape(-1)[:num_params].astype(jnp.bool_)
+
+
+def mask_indices(mask_p: Bool[Array, " P"], size: int) -> Int[Array, " N"]:
+    """The set positions of a mask as sorted int32 flat indices, padded with P to `size`."""
     num = mask_p.shape[0]
     if num > MAX_PARAMS:
         raise ValueError(f"{num} parameters exceed the int32 index limit {MAX_PARAMS}")
     (index,) = jnp.nonzero(mask_p, size=size, fill_value=num)
-    index = index.astype(jnp.int32)
-    return index, values_p.at[index].get(mode="fill", fill_value=0)
+    return index.astype(jnp.int32)
 
 
 def mean_of_payloads(
@@ -224,14 +267,28 @@ def outer_update(
 # --- byte accounting -------------------------------------------------------------------------
 
 
-def payload_bytes(counts: list[int] | tuple[int, ...]) -> int:
-    """Bytes all replicas send in one PULSELoCo round: count + (int32 index, fp32 value) each."""
-    return sum(COUNT_BYTES + n * (INDEX_BYTES + VALUE_BYTES) for n in counts)
+def _payload_bytes(count: int, num_params: int, fmt: PayloadFormat) -> int:
+    if fmt == "index":
+        return COUNT_BYTES + count * (INDEX_BYTES + VALUE_BYTES)
+    if fmt == "bitmask":
+        return COUNT_BYTES + -(-num_params // 8) + count * VALUE_BYTES
+    raise ValueError(f"payload format {fmt!r} unknown; expected 'index' or 'bitmask'")
 
 
-def padded_payload_bytes(replicas: int, padded: int) -> int:
+def payload_bytes(
+    counts: list[int] | tuple[int, ...], num_params: int, fmt: PayloadFormat = "index"
+) -> int:
+    """Bytes all replicas need to send in one PULSELoCo round: each its entry count, then either
+    (int32 index, fp32 value) per entry ("index") or the packed gate and an fp32 value per entry
+    ("bitmask")."""
+    return sum(_payload_bytes(n, num_params, fmt) for n in counts)
+
+
+def padded_payload_bytes(
+    replicas: int, padded: int, num_params: int, fmt: PayloadFormat = "index"
+) -> int:
     """Bytes of the padded all-gather inputs in one round (every replica sends `padded` entries)."""
-    return replicas * (COUNT_BYTES + padded * (INDEX_BYTES + VALUE_BYTES))
+    return replicas * _payload_bytes(padded, num_params, fmt)
 
 
 def diloco_bytes(num_params: int, replicas: int, rounds: int = 1) -> int:

@@ -15,9 +15,10 @@ A round is three jitted programs:
      for PULSELoCo, the error feedback and gate (`loco.prepare_payload`); all-gather the entry
      counts across the replica axis (counts first: they fix the padded payload shape);
   2. `shard_map` again, with the max count as a static size: compact each replica's payload to
-     (int32 index, fp32 value) rows padded to that size, `lax.all_gather` them over the replica
-     axis and reduce with `loco.mean_of_payloads` (replicas in a fixed order); DiLoCo all-gathers
-     the dense Δ rows instead (`loco.mean_of_dense`);
+     fp32 value rows padded to that size plus their positions (int32 index rows, or the packed
+     gate when that is smaller: `LoCoConfig.payload_format`), `lax.all_gather` them over the
+     replica axis and reduce with `loco.mean_of_payloads` (replicas in a fixed order); DiLoCo
+     all-gathers the dense Δ rows instead (`loco.mean_of_dense`);
   3. the outer Nesterov step on the replicated θ, an identical program for both methods.
 
 Every device computes the same replicated θ from the same gathered rows in the same order, so all
@@ -87,6 +88,7 @@ class RoundStats:
 
     round: int
     counts: tuple[int, ...]  # entries each replica sent (P each for DiLoCo)
+    payload_format: str  # "index" or "bitmask" (PULSELoCo), "dense" (DiLoCo)
     sent_bytes: int  # payload bytes actually needed
     padded_bytes: int  # bytes of the padded all-gather inputs
     diloco_bytes: int  # dense fp32 pseudo-gradients of the same round, for comparison
@@ -162,11 +164,11 @@ class LoCoTrainer:
         )  # fmt: skip
         reduce_in = (spec_r, spec_r) if config.method == "pulseloco" else (P(), spec_r)
         self._reduce = jax.jit(
-            lambda *rows_in, size: jax.shard_map(
-                functools.partial(self._reduce_body, size=size),
+            lambda *rows_in, size, fmt: jax.shard_map(
+                functools.partial(self._reduce_body, size=size, fmt=fmt),
                 mesh=mesh, in_specs=reduce_in, out_specs=P(), check_vma=False,
             )(*rows_in),
-            static_argnames=("size",),
+            static_argnames=("size", "fmt"),
         )  # fmt: skip
         # Inner steps, payload, mean and outer step are separate programs on purpose: XLA:CPU
         # contracts mul+add into FMA depending on what surrounds an op (and drops optimization
@@ -210,7 +212,7 @@ class LoCoTrainer:
         # Counts first: the max over replicas is the static size of the payload all-gather.
         return residual[None], sent[None], mask[None], lax.all_gather(count, REPLICA_AXIS)
 
-    def _reduce_body(self, a, b, *, size: int):
+    def _reduce_body(self, a, b, *, size: int, fmt: str):
         if self.config.method == "diloco":
             theta, local = a, b[0]
             return loco.mean_of_dense(
@@ -218,8 +220,17 @@ class LoCoTrainer:
             )
         sent, mask = a[0], b[0]
         index_n, value_n = loco.compact(mask, sent, size=size)
-        index_rn = lax.all_gather(index_n, REPLICA_AXIS)
         value_rn = lax.all_gather(value_n, REPLICA_AXIS)
+        if fmt == "bitmask":
+            # The packed gate travels instead of the indices; every receiver re-derives the
+            # same sorted indices from it.
+            packed_rm = lax.all_gather(loco.pack_mask(mask), REPLICA_AXIS)
+            index_rn = jnp.stack([
+                loco.mask_indices(loco.unpack_mask(packed_rm[r], self.num_params), size)
+                for r in range(self.replicas)
+            ])  # fmt: skip
+        else:
+            index_rn = lax.all_gather(index_n, REPLICA_AXIS)
         return loco.mean_of_payloads(index_rn, value_rn, self.num_params)
 
     # --- the round -----------------------------------------------------------------------------
@@ -256,11 +267,13 @@ class LoCoTrainer:
             self.residual, sent, mask, counts_r = self._prepare(self.theta, local, self.residual)
             counts = [int(c) for c in np.asarray(counts_r.addressable_data(0))]
             padded = cfg.padded_count(max(counts))
-            grad = self._reduce(sent, mask, size=padded)
-            sent_bytes = loco.payload_bytes(counts)
-            padded_bytes = loco.padded_payload_bytes(R, padded)
+            fmt = cfg.payload_format(self.num_params, padded)
+            grad = self._reduce(sent, mask, size=padded, fmt=fmt)
+            sent_bytes = loco.payload_bytes(counts, self.num_params, fmt)
+            padded_bytes = loco.padded_payload_bytes(R, padded, self.num_params, fmt)
         else:
-            grad = self._reduce(self.theta, local, size=self.num_params)
+            fmt = "dense"
+            grad = self._reduce(self.theta, local, size=self.num_params, fmt=fmt)
             counts = [self.num_params] * R
             sent_bytes = padded_bytes = loco.diloco_bytes(self.num_params, R)
         self.last_local = local
@@ -269,6 +282,7 @@ class LoCoTrainer:
         return RoundStats(
             round=self.rounds_done,
             counts=tuple(counts),
+            payload_format=fmt,
             sent_bytes=sent_bytes,
             padded_bytes=padded_bytes,
             diloco_bytes=loco.diloco_bytes(self.num_params, R),

@@ -202,9 +202,38 @@ def test_outer_default_is_diloco_nesterov():
     np.testing.assert_allclose(np.asarray(t), ref, rtol=1e-6, atol=1e-9)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 70), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
+def test_mask_pack_unpack_roundtrip(length, density, seed):
+    mask = np.random.default_rng(seed).random(length) < density
+    packed = np.asarray(loco.pack_mask(jnp.asarray(mask)))
+    assert packed.dtype == np.uint8 and packed.size == -(-length // 8)
+    np.testing.assert_array_equal(packed, np.packbits(mask, bitorder="little"))
+    np.testing.assert_array_equal(np.asarray(loco.unpack_mask(jnp.asarray(packed), length)), mask)
+
+
+def test_bitmask_payload_gives_the_index_payload_indices():
+    # A receiver re-deriving the indices from the packed gate gets the sender's own, padding too.
+    mask = np.random.default_rng(3).random(P_) < 0.3
+    size = int(mask.sum()) + 5
+    index, _ = loco.compact(jnp.asarray(mask), jnp.zeros(P_, jnp.float32), size=size)
+    unpacked = loco.unpack_mask(loco.pack_mask(jnp.asarray(mask)), P_)
+    np.testing.assert_array_equal(np.asarray(loco.mask_indices(unpacked, size)), np.asarray(index))
+
+
 def test_byte_accounting():
-    assert loco.payload_bytes([0, 10, 3]) == 3 * 4 + 13 * 8
-    assert loco.padded_payload_bytes(3, 10) == 3 * (4 + 80)
+    assert loco.payload_bytes([0, 10, 3], 1000) == 3 * 4 + 13 * 8
+    assert loco.padded_payload_bytes(3, 10, 1000) == 3 * (4 + 80)
+    # bitmask: the packed gate, ceil(P/8) bytes, plus a count and an fp32 value per entry.
+    assert loco.payload_bytes([0, 10, 3], 1001, "bitmask") == 3 * (4 + 126) + 13 * 4
+    assert loco.padded_payload_bytes(3, 10, 1001, "bitmask") == 3 * (4 + 126 + 40)
+    with pytest.raises(ValueError, match="payload format 'zstd' unknown"):
+        loco.payload_bytes([1], 8, "zstd")
+    # auto: the bitmask wins once more than P/32 entries are sent (4 B per entry vs P/8 B).
+    auto = loco.LoCoConfig()
+    assert [auto.payload_format(3200, n) for n in (99, 100, 101)] == ["index", "index", "bitmask"]
+    assert loco.LoCoConfig(payload="index").payload_format(3200, 3200) == "index"
+    assert loco.LoCoConfig(payload="bitmask").payload_format(3200, 1) == "bitmask"
     assert loco.diloco_bytes(1000, 4, rounds=5) == 5 * 4 * 1000 * 4
     assert loco.ddp_bytes(1000, 4, steps=50) == 50 * 4 * 1000 * 4
     cfg = loco.LoCoConfig(pad_multiple=256)
@@ -220,6 +249,7 @@ def test_byte_accounting():
         ({"outer_momentum": 1.0}, r"outer_momentum must be in \[0, 1\), got 1.0"),
         ({"gate_dtype": "float8"}, "gate_dtype 'float8' unknown"),
         ({"pad_multiple": 0}, "pad_multiple must be an int >= 1, got 0"),
+        ({"payload": "zstd"}, "payload 'zstd' unknown; expected one of"),
         ({"method": "diloco", "gate": False}, "gate=False only applies to method='pulseloco'"),
     ],
 )

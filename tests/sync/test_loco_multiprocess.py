@@ -3,9 +3,10 @@
 The test launches this file twice as a script (one replica per process, one CPU device each),
 with a free port, an initialization timeout and a hard wall-clock limit, so a hung child can never
 hang the suite. Each child records, after every outer round, the SHA-256 of its global θ, the
-digest of the θ copy its replica restarts from, and the gathered entry counts. The two processes
-must agree bit for bit each round, and with the same run done inside this process on two fake
-CPU devices (topology (a)).
+digest of the θ copy its replica restarts from, and the gathered entry counts, once with each
+payload format (int32 indices, packed gate). The two processes must agree bit for bit each round,
+the two formats must give the same θ, and so must the same run done inside this process on two
+fake CPU devices (topology (a)).
 """
 
 import json
@@ -23,16 +24,17 @@ from sparserl_jax.sync.loco_bench import build_model, chain, next_token_loss, sa
 from sparserl_jax.sync.loco_runtime import LoCoTrainer, init_cpu_distributed, replica_mesh
 
 H, R, ROUNDS, BATCH, LENGTH, LR = 3, 2, 3, 4, 9, 1e-4
+PAYLOADS = ("index", "bitmask")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WALL_S = 90  # both children together; they normally finish in ~15 s
 
 
-def run_rounds(mesh) -> list[dict]:
+def run_rounds(mesh, payload: str) -> list[dict]:
     """The shared experiment; each process feeds only the batches of its own replicas."""
     graphdef, params = build_model("tiny", seed=0)
     data = sample(chain(128, seed=1), (ROUNDS, H, R, BATCH), LENGTH, seed=2)
     # One padded payload shape for every round: fewer compilations in the children.
-    cfg = loco.LoCoConfig(method="pulseloco", inner_steps=H, pad_multiple=4096)
+    cfg = loco.LoCoConfig(method="pulseloco", inner_steps=H, pad_multiple=4096, payload=payload)
     trainer = LoCoTrainer(next_token_loss(graphdef), params, optax.adamw(LR), cfg, mesh=mesh)
     out = []
     for k in range(ROUNDS):
@@ -43,6 +45,7 @@ def run_rounds(mesh) -> list[dict]:
                 "replicas": {str(r): d for r, d in trainer.replica_digests().items()},
                 "counts": list(stats.counts),
                 "sent_bytes": stats.sent_bytes,
+                "payload_format": stats.payload_format,
                 "num_params": trainer.num_params,
             }
         )
@@ -92,21 +95,25 @@ def test_two_processes_agree_bit_for_bit(tmp_path):
         assert proc.returncode == 0, f"process {p} exited {proc.returncode}:\n{logs[p][-3000:]}"
 
     results = [json.loads(o.read_text()) for o in outs]
-    for k in range(ROUNDS):
-        a, b = results[0][k], results[1][k]
-        # Both processes hold the same global θ after every outer step ...
-        assert a["theta"] == b["theta"], f"round {k + 1}: processes disagree"
-        assert a["counts"] == b["counts"]
-        # ... and each one's replica restarts from exactly that θ.
-        assert a["replicas"] == {"0": a["theta"]} and b["replicas"] == {"1": b["theta"]}
-        assert 0 < max(a["counts"]) < a["num_params"]  # a real sparse exchange
-        assert a["sent_bytes"] == loco.payload_bytes(a["counts"])
+    for fmt in PAYLOADS:
+        for k in range(ROUNDS):
+            a, b = results[0][fmt][k], results[1][fmt][k]
+            # Both processes hold the same global θ after every outer step ...
+            assert a["theta"] == b["theta"], f"{fmt} round {k + 1}: processes disagree"
+            assert a["counts"] == b["counts"]
+            # ... and each one's replica restarts from exactly that θ.
+            assert a["replicas"] == {"0": a["theta"]} and b["replicas"] == {"1": b["theta"]}
+            assert 0 < max(a["counts"]) < a["num_params"]  # a real sparse exchange
+            assert a["payload_format"] == fmt
+            assert a["sent_bytes"] == loco.payload_bytes(a["counts"], a["num_params"], fmt)
+            # The packed gate and the index rows carry the same entries.
+            assert a["theta"] == results[0]["index"][k]["theta"], f"{fmt} != index"
 
     # Topology (a): the same rounds as two device groups inside this process.
-    single = run_rounds(replica_mesh(R, jax.devices()[:R]))
+    single = run_rounds(replica_mesh(R, jax.devices()[:R]), "auto")
     for k in range(ROUNDS):
-        assert single[k]["theta"] == results[0][k]["theta"], f"round {k + 1}: (a) != (b)"
-        assert single[k]["counts"] == results[0][k]["counts"]
+        assert single[k]["theta"] == results[0]["index"][k]["theta"], f"round {k + 1}: (a) != (b)"
+        assert single[k]["counts"] == results[0]["index"][k]["counts"]
 
 
 def child(process_id: int, num_processes: int, port: int, out_path: str) -> None:
@@ -115,7 +122,7 @@ def child(process_id: int, num_processes: int, port: int, out_path: str) -> None
     jax.config.update("jax_default_matmul_precision", "highest")
     init_cpu_distributed(f"localhost:{port}", num_processes, process_id, timeout_s=30)
     try:
-        result = run_rounds(replica_mesh(num_processes))
+        result = {fmt: run_rounds(replica_mesh(num_processes), fmt) for fmt in PAYLOADS}
         with open(out_path, "w") as f:
             json.dump(result, f)
     finally:

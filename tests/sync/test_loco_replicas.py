@@ -114,9 +114,13 @@ def check_against_reference(method: str, cfg: loco.LoCoConfig):
         if method == "pulseloco":
             assert_bits_equal(rows(trainer.residual), residuals, f"residual {k + 1}")
             assert stats.counts == tuple(counts)
-            assert stats.sent_bytes == loco.payload_bytes(counts)
             padded = cfg.padded_count(max(counts))
-            assert stats.padded_bytes == loco.padded_payload_bytes(R, padded)
+            fmt = cfg.payload_format(trainer.num_params, padded)
+            assert stats.payload_format == fmt
+            assert stats.sent_bytes == loco.payload_bytes(counts, trainer.num_params, fmt)
+            assert stats.padded_bytes == loco.padded_payload_bytes(
+                R, padded, trainer.num_params, fmt
+            )
             assert 0 < max(counts) < trainer.num_params  # the gate really sparsified
         else:
             assert stats.counts == (trainer.num_params,) * R
@@ -134,16 +138,36 @@ def test_gate_off_equals_diloco_bit_for_bit():
         assert_bits_equal(off[k], dense[k], f"round {k + 1}")
         assert off_stats[k].counts == dense_stats[k].counts == (t.num_params,) * R
     assert dense_stats[0].sent_bytes == loco.diloco_bytes(t.num_params, R)
-    assert off_stats[0].sent_bytes == loco.payload_bytes([t.num_params] * R)
+    # Everything sent: the packed gate is cheaper than P indices.
+    assert off_stats[0].payload_format == "bitmask"
+    assert off_stats[0].sent_bytes == loco.payload_bytes(
+        [t.num_params] * R, t.num_params, "bitmask"
+    )
 
 
 def test_diloco_matches_plain_reference():
     check_against_reference("diloco", loco.LoCoConfig(method="diloco", inner_steps=H))
 
 
-def test_pulseloco_matches_plain_reference():
-    cfg = loco.LoCoConfig(method="pulseloco", inner_steps=H, pad_multiple=64)
+@pytest.mark.parametrize("payload", ["index", "bitmask"])
+def test_pulseloco_matches_plain_reference(payload):
+    cfg = loco.LoCoConfig(method="pulseloco", inner_steps=H, pad_multiple=64, payload=payload)
     check_against_reference("pulseloco", cfg)
+
+
+def test_payload_formats_give_identical_weights():
+    # The packed gate and the index rows carry the same entries: same θ and residual bits.
+    mesh = replica_mesh(R, jax.devices()[:R])
+    runs = {
+        fmt: run_trainer(loco.LoCoConfig(inner_steps=H, payload=fmt), mesh)
+        for fmt in ("index", "bitmask")
+    }
+    (by_index, index_stats, a), (by_mask, mask_stats, b) = runs["index"], runs["bitmask"]
+    for k in range(ROUNDS):
+        assert_bits_equal(by_mask[k], by_index[k], f"round {k + 1}")
+        assert index_stats[k].counts == mask_stats[k].counts
+        assert (index_stats[k].payload_format, mask_stats[k].payload_format) == ("index", "bitmask")
+    assert_bits_equal(rows(a.residual), rows(b.residual), "residual")
 
 
 def test_trainer_input_errors():

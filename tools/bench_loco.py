@@ -28,10 +28,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--pretrain-steps", type=int, default=150)
     p.add_argument("--pretrain-lr", type=float, default=1e-3)
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="compute dtype of every forward (master weights stay fp32)",
+    )
     p.add_argument("--task", default="rl", choices=("rl", "shift"), help="post-training task")
     p.add_argument("--shift", type=float, default=0.5, help="shift task: chain rows changed")
     p.add_argument("--group-size", type=int, default=8, help="rl task: completions per prompt")
-    p.add_argument("--target-mod", type=int, default=8, help="rl task: target ids are multiples of this")
+    p.add_argument(
+        "--target-mod", type=int, default=8, help="rl task: target ids are multiples of this"
+    )
     p.add_argument("--eval-prompts", type=int, default=64, help="rl task: held-out prompts")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
@@ -48,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = LoCoBenchConfig(
         lr=a.lr, replicas=a.replicas, inner_steps=a.inner_steps, rounds=a.rounds,
-        preset=a.preset, batch=a.batch, seq_len=a.seq_len, pretrain_steps=a.pretrain_steps,
+        preset=a.preset, dtype=a.dtype, batch=a.batch, seq_len=a.seq_len,
+        pretrain_steps=a.pretrain_steps,
         pretrain_lr=a.pretrain_lr, task=a.task, shift=a.shift, group_size=a.group_size,
         target_mod=a.target_mod, eval_prompts=a.eval_prompts, outer_lr=a.outer_lr,
         outer_momentum=a.outer_momentum, seed=a.seed,

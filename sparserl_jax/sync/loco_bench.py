@@ -67,6 +67,8 @@ class LoCoBenchConfig:
       rounds: outer rounds.
       batch: sequences per replica per step; seq_len tokens each (+1 for the shifted labels).
       pretrain_steps, pretrain_lr: the shared starting point.
+      dtype: compute dtype of every forward (inner steps, DDP, sampling, eval) over fp32 master
+        weights; bf16 as in the numerics contract (the forward the gate's visibility refers to).
       task: "rl" (GRPO on sampled rollouts) or "shift" (supervised, shifted chain).
       shift: "shift" task: fraction of the chain's rows that get new successors.
       group_size, prompt_len, target_mod, clip_eps: "rl" task: G completions of `seq_len` tokens
@@ -83,6 +85,7 @@ class LoCoBenchConfig:
     seq_len: int = 64
     pretrain_steps: int = 150
     pretrain_lr: float = 1e-3
+    dtype: str = "bfloat16"
     task: str = "rl"
     shift: float = 0.5
     group_size: int = 8
@@ -100,6 +103,8 @@ class LoCoBenchConfig:
     def __post_init__(self):
         if self.preset not in PRESETS:
             raise ValueError(f"preset {self.preset!r} unknown; expected one of {sorted(PRESETS)}")
+        if self.dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"dtype {self.dtype!r} unknown; expected 'bfloat16' or 'float32'")
         if self.task not in TASKS:
             raise ValueError(f"task {self.task!r} unknown; expected one of {TASKS}")
         if self.task == "rl" and (
@@ -127,15 +132,15 @@ class LoCoBenchConfig:
             )
 
 
-def build_model(preset: str, seed: int):
-    """The preset transformer (fp32 weights and compute) as `(graphdef, params)`."""
+def build_model(preset: str, seed: int, dtype: str = "float32"):
+    """The preset transformer (fp32 master weights, `dtype` compute) as `(graphdef, params)`."""
     from sparserl_jax.models import ModelConfig, Transformer
 
     v, d, layers, n, k, h, f = PRESETS[preset]
     mcfg = ModelConfig(
         vocab_size=v, hidden_size=d, num_layers=layers, num_heads=n, num_kv_heads=k,
         head_dim=h, intermediate_size=f, tie_embeddings=False,
-        param_dtype="float32", dtype="float32",
+        param_dtype="float32", dtype=dtype,
     )  # fmt: skip
     graphdef, state = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(seed)))
     return graphdef, nnx.to_pure_dict(state)
@@ -379,7 +384,7 @@ def run_loco(method: str, loss_fn, params, data, evaluate, cfg: LoCoBenchConfig,
 def run(cfg: LoCoBenchConfig, log=None) -> dict:
     """Pretrain once, then DDP, DiLoCo and PULSELoCo on the same data; the JSON-ready summary."""
     t0 = time.perf_counter()
-    graphdef, params = build_model(cfg.preset, cfg.seed)
+    graphdef, params = build_model(cfg.preset, cfg.seed, cfg.dtype)
     base = chain(PRESETS[cfg.preset][0], cfg.seed + 1)
     params = pretrain(next_token_loss(graphdef), params, base, cfg, log)
     if cfg.task == "rl":

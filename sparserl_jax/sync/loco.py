@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import optax
 from jaxtyping import Array, Bool, Float, Int, UInt8
 
-from sparserl_jax.sync.mask import publish_bits, visible_mask
+from sparserl_jax.sync.mask import pack_bits, publish_bits, unpack_bits, visible_mask
 
 Method = Literal["diloco", "pulseloco"]
 METHODS = ("diloco", "pulseloco")
@@ -205,15 +205,12 @@ def compact(
 
 def pack_mask(mask_p: Bool[Array, " P"]) -> UInt8[Array, " M"]:
     """The gate as `ceil(P/8)` bytes: bit j of byte i is entry 8i + j (numpy's little bitorder)."""
-    num = mask_p.shape[0]
-    bits = jnp.pad(mask_p.astype(jnp.uint8), (0, -num % 8)).reshape(-1, 8)
-    return jnp.sum(bits << jnp.arange(8, dtype=jnp.uint8)[None, :], axis=1, dtype=jnp.uint8)
+    return pack_bits(jnp.pad(mask_p, (0, -mask_p.shape[0] % 8)))
 
 
 def unpack_mask(packed_m: UInt8[Array, " M"], num_params: int) -> Bool[Array, " P"]:
     """Inverse of `pack_mask`: the first `num_params` bits as booleans."""
-    bits = (packed_m[:, None] >> jnp.arange(8, dtype=jnp.uint8)[None, :]) & 1
-    return bits.reshape(-1)[:num_params].astype(jnp.bool_)
+    return unpack_bits(packed_m)[:num_params]
 
 
 def mask_indices(mask_p: Bool[Array, " P"], size: int) -> Int[Array, " N"]:

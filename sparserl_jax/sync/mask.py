@@ -109,14 +109,26 @@ def packable(x: jax.Array) -> bool:
     return x.sharding.shard_shape(x.shape)[-1] % 8 == 0
 
 
-def _bitmap(changed, pack: bool):
-    if not pack:
-        return changed.astype(jnp.uint8)
-    k = changed.reshape(*changed.shape[:-1], changed.shape[-1] // 8, 8).astype(jnp.uint8)
+def pack_bits(mask):
+    """A boolean array packed 8 per byte along its last axis, which must be a multiple of 8.
+
+    Little bit order, as `np.packbits(..., bitorder="little")`: bit b of byte q is element 8q + b.
+    """
+    k = mask.reshape(*mask.shape[:-1], mask.shape[-1] // 8, 8).astype(jnp.uint8)
     out = k[..., 0]
     for b in range(1, 8):
         out = out | (k[..., b] << b)
     return out
+
+
+def unpack_bits(packed):
+    """Inverse of `pack_bits`: `[..., M]` uint8 -> `[..., 8M]` bool."""
+    bits = packed[..., None] >> jnp.arange(8, dtype=jnp.uint8).reshape((1,) * packed.ndim + (8,))
+    return (bits & 1).reshape(*packed.shape[:-1], -1).astype(jnp.bool_)
+
+
+def _bitmap(changed, pack: bool):
+    return pack_bits(changed) if pack else changed.astype(jnp.uint8)
 
 
 @functools.partial(jax.jit, static_argnames=("pack", "shardings"))

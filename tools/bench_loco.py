@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--target-mod", type=int, default=8, help="rl task: target ids are multiples of this"
     )
-    p.add_argument("--eval-prompts", type=int, default=64, help="rl task: held-out prompts")
+    p.add_argument("--eval-prompts", type=int, default=128, help="rl task: held-out prompts")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
     p.add_argument("--seed", type=int, default=0)

@@ -43,10 +43,13 @@ def test_rl_rollouts_and_grpo_loss_at_pi_old():
     batch = jax.tree.map(lambda x: jnp.asarray(x[0, 0, 0]), data)
     got = float(jax.jit(grpo_loss(graphdef, cfg.clip_eps))(params, batch))
     np.testing.assert_allclose(got, -float(np.mean(data["adv"][0, 0, 0])), rtol=1e-5, atol=1e-6)
-    start = evaluate(params)
-    # Unit importance weights: the reward estimate is the held-out success rate, ESS all rows.
+    start = evaluate(params, final=True)
+    # At pi_old the importance weights are all 1 (ESS = every held-out row) and the policy's own
+    # samples, drawn with the held-out keys, are the held-out rollouts: both estimates agree.
     assert start["ess"] == pytest.approx(cfg.eval_prompts * cfg.group_size, rel=1e-5)
-    assert 0 < start["reward"] < 1 and start["loss"] > 0
+    assert 0 < start["reward"] < 1 and start["loss"] == 1 - start["reward"]
+    assert start["reward"] == pytest.approx(start["reward_is"], rel=1e-6)
+    assert start["success_nll"] > 0
 
 
 @pytest.mark.parametrize("task", ["rl", "shift"])

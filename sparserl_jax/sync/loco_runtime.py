@@ -289,6 +289,61 @@ class LoCoTrainer:
             inner_loss=float(np.asarray(losses.addressable_data(0)).mean()),
         )
 
+    # --- checkpoints ---------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything the next round depends on, as a pytree of arrays (with their shardings):
+        θ, the outer optimizer state, every replica's inner optimizer state and, for PULSELoCo,
+        every replica's residual. Save it with `checkpoint.CheckpointManager` beside `meta()`."""
+        out = {"theta": self.theta, "outer": self.outer_state, "inner": self.opt_state}
+        if self.residual is not None:
+            out["residual"] = self.residual
+        return out
+
+    def meta(self) -> dict[str, Any]:
+        """The JSON half of a checkpoint: the round count and what the state must match."""
+        return {
+            "rounds_done": self.rounds_done,
+            "method": self.config.method,
+            "replicas": self.replicas,
+            "num_params": self.num_params,
+        }
+
+    def load_state(self, state: Mapping[str, Any], meta: Mapping[str, Any]) -> None:
+        """Resume from `state()` / `meta()` of a trainer built the same way (restore with
+        `CheckpointManager.restore_latest(trainer.state())`). The next round is then bit-identical
+        to the one an uninterrupted run would do. A checkpoint of another method, replica count or
+        model is refused before anything changes."""
+        expect = self.meta()
+        for key in ("method", "replicas", "num_params"):
+            if meta.get(key) != expect[key]:
+                raise ValueError(
+                    f"checkpoint has {key}={meta.get(key)!r} but this trainer has "
+                    f"{key}={expect[key]!r}; it belongs to a different run"
+                )
+        mine = self.state()
+        if jax.tree.structure(state) != jax.tree.structure(mine):
+            raise ValueError(
+                f"checkpoint state has structure {jax.tree.structure(state)}, expected "
+                f"{jax.tree.structure(mine)}"
+            )
+        for path, got, want in zip(
+            jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(state),
+            jax.tree.leaves(mine), strict=True,
+        ):  # fmt: skip
+            if got.shape != want.shape or got.dtype != want.dtype:
+                raise ValueError(
+                    f"checkpoint leaf {jax.tree_util.keystr(path[0])} is {got.dtype}{got.shape}, "
+                    f"expected {want.dtype}{want.shape}"
+                )
+        put = functools.partial(jax.tree.map, lambda x, ref: jax.device_put(x, ref.sharding))
+        self.theta = put(state["theta"], self.theta)
+        self.outer_state = put(state["outer"], self.outer_state)
+        self.opt_state = put(state["inner"], self.opt_state)
+        if self.residual is not None:
+            self.residual = put(state["residual"], self.residual)
+        self.rounds_done = int(meta["rounds_done"])
+
     # --- inspection ----------------------------------------------------------------------------
 
     def global_params(self) -> Any:

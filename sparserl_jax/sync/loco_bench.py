@@ -33,6 +33,7 @@ gradients of batches `(k, h, 0..R-1)`. Bytes are what all replicas send in total
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import time
 
@@ -44,6 +45,7 @@ from flax import nnx
 
 from sparserl_jax.rl.advantages import grpo_advantages
 from sparserl_jax.rl.losses import aggregate_loss, ppo_clip_loss, shifted_token_logprobs
+from sparserl_jax.rollout.logprobs import dense_logprobs
 from sparserl_jax.sync import loco
 from sparserl_jax.sync.loco_runtime import LoCoTrainer, replica_mesh
 
@@ -200,11 +202,6 @@ def grpo_loss(graphdef, clip_eps: float):
     return loss
 
 
-def teacher_logprobs(graphdef):
-    """Jitted `(params, tokens [B, T]) -> [B, T]` teacher-forced logprobs (column 0 is 0)."""
-    return jax.jit(lambda p, t: shifted_token_logprobs(nnx.merge(graphdef, p)(t), t))
-
-
 def rollouts(graphdef, params, succ, prompts: int, cfg: LoCoBenchConfig, seed: int):
     """`group_size` completions (temperature 1) for each of `prompts` prompts walked from `succ`.
 
@@ -224,7 +221,7 @@ def rollouts(graphdef, params, succ, prompts: int, cfg: LoCoBenchConfig, seed: i
 
 def rl_problem(graphdef, params, succ, cfg: LoCoBenchConfig, log=None):
     """The "rl" task's fixed rollouts (`[rounds, H, R, ...]` batch leaves) and its evaluator."""
-    logprobs = teacher_logprobs(graphdef)
+    logprobs = functools.partial(dense_logprobs, graphdef)  # pi_old's recompute, as the learner's
     k_, h_, r_, b_ = cfg.rounds, cfg.inner_steps, cfg.replicas, cfg.batch
     per_round = h_ * r_ * b_ // cfg.group_size
     made = [rollouts(graphdef, params, succ, per_round, cfg, 100 + k) for k in range(k_)]

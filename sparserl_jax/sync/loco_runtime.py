@@ -327,13 +327,12 @@ class LoCoTrainer:
                 f"checkpoint state has structure {jax.tree.structure(state)}, expected "
                 f"{jax.tree.structure(mine)}"
             )
-        for path, got, want in zip(
-            jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(state),
-            jax.tree.leaves(mine), strict=True,
-        ):  # fmt: skip
+        for (path, got), want in zip(
+            jax.tree_util.tree_leaves_with_path(state), jax.tree.leaves(mine), strict=True
+        ):
             if got.shape != want.shape or got.dtype != want.dtype:
                 raise ValueError(
-                    f"checkpoint leaf {jax.tree_util.keystr(path[0])} is {got.dtype}{got.shape}, "
+                    f"checkpoint leaf {jax.tree_util.keystr(path)} is {got.dtype}{got.shape}, "
                     f"expected {want.dtype}{want.shape}"
                 )
         put = functools.partial(jax.tree.map, lambda x, ref: jax.device_put(x, ref.sharding))

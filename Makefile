@@ -20,7 +20,7 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	rm -rf runs/demo
-	$(PY) -m sparserl_jax.cli train configs/demo.yaml
+	$(PY) -m sparserl_jax train configs/demo.yaml
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .

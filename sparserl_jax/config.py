@@ -15,24 +15,26 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import json
 import os
+import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
 from sparserl_jax.data.config import DataConfig
+from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.models.config import ModelConfig
+from sparserl_jax.models.hf import config_from_hf
 from sparserl_jax.parallel.sharding import MeshConfig
 from sparserl_jax.rl.config import LearnerConfig
-from sparserl_jax.rollout import RolloutConfig
+from sparserl_jax.rollout.config import RolloutConfig
 from sparserl_jax.sft import SFTConfig
 from sparserl_jax.sync.publisher import SyncConfig
-
-if typing.TYPE_CHECKING:
-    from sparserl_jax.train import TrainConfig
 
 
 class ConfigError(ValueError):
@@ -75,11 +77,6 @@ class ModelSpec:
             return self.arch.replace(
                 dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat
             )
-        import json
-        from pathlib import Path
-
-        from sparserl_jax.models.hf import config_from_hf
-
         hf = json.loads((Path(self.hf_dir) / "config.json").read_text())
         return config_from_hf(hf, dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat)
 
@@ -95,7 +92,15 @@ class TokenizerConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class GenerateConfig:
-    """A plain generation job (`sparserl generate`)."""
+    """A plain generation job (`sparserl generate`) on the rollout engine.
+
+    Attributes:
+      prompts: the texts to complete (the tokenizer adds its BOS token).
+      max_new_tokens: completion tokens per prompt at most (the stop token counts).
+      temperature: 0 is greedy. top_k: 0 is off. top_p: 1 is off.
+      seed: the sampling seed.
+      kv: KV compression while generating (as `rollout.kv`); null keeps every token.
+    """
 
     prompts: tuple[str, ...] = ("1+2=",)
     max_new_tokens: int = 32
@@ -103,6 +108,7 @@ class GenerateConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
+    kv: CompressionConfig | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -117,12 +123,67 @@ class GenerateConfig:
             raise ConfigError("generate.prompts is empty")
 
 
+Topology = Literal["colocated", "split"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The RL loop.
+
+    Attributes:
+      steps: RL steps (one rollout batch each, reused for up to `learner.gating.max_passes`).
+      seed: rollout seed; step s samples with keys derived from `(seed, s)`.
+      advantage_estimator: `grpo`, `dr_grpo` or `dapo`; groups are `rollout.n_samples` wide.
+      topology: `colocated` or `split` (trainer and sampler on disjoint devices).
+      sampler_devices: with `split`, how many devices (the last ones) the sampler gets; the
+        trainer mesh (`mesh:` section) is laid over the rest.
+      save_every: checkpoint every this many steps (and at the end, and on SIGTERM).
+      keep_checkpoints: how many checkpoints to keep.
+      async_checkpoint: save in the background.
+      resume: continue from the newest checkpoint in `run_dir` when there is one.
+      eval_every: greedy evaluation on held-out prompts every this many steps (0: only before
+        the first and after the last step); `eval_examples` prompts.
+      tensorboard: also write TensorBoard event files (needs tensorboardX).
+      progress: show a progress bar with ETA on the console.
+      plot: write `metrics.png` in the run directory at the end.
+    """
+
+    steps: int = 100
+    seed: int = 0
+    advantage_estimator: Literal["grpo", "dr_grpo", "dapo"] = "grpo"
+    topology: Topology = "colocated"
+    sampler_devices: int = 1
+    save_every: int = 50
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = True
+    resume: bool = True
+    eval_every: int = 0
+    eval_examples: int = 64
+    tensorboard: bool = False
+    progress: bool = True
+    plot: bool = True
+
+    def __post_init__(self):
+        if self.steps < 0:
+            raise ConfigError(f"train.steps must be >= 0, got {self.steps}")
+        if self.topology not in ("colocated", "split"):
+            raise ConfigError(
+                f"train.topology {self.topology!r} unknown; expected colocated, split"
+            )
+        if self.sampler_devices < 1:
+            raise ConfigError(f"train.sampler_devices must be >= 1, got {self.sampler_devices}")
+        if self.save_every < 1 or self.keep_checkpoints < 1:
+            raise ConfigError(
+                f"train.save_every and train.keep_checkpoints must be >= 1, got "
+                f"{self.save_every}, {self.keep_checkpoints}"
+            )
+        if self.eval_every < 0 or self.eval_examples < 0:
+            raise ConfigError("train.eval_every and train.eval_examples must be >= 0")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:
-    """The whole experiment: one section per component, each validated by its own dataclass.
-
-    `train` is imported lazily (it imports the whole stack); see `sparserl_jax.train.TrainConfig`.
-    """
+    """The whole experiment: one section per component, each validated by its own dataclass."""
 
     model: ModelSpec
     mesh: MeshConfig = MeshConfig()
@@ -133,14 +194,8 @@ class Config:
     learner: LearnerConfig = dataclasses.field(default_factory=LearnerConfig)
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     sft: SFTConfig = SFTConfig()
-    train: TrainConfig = dataclasses.field(default_factory=lambda: _train_config()())
+    train: TrainConfig = TrainConfig()
     run_dir: str = "runs/default"
-
-
-def _train_config():
-    from sparserl_jax.train import TrainConfig
-
-    return TrainConfig
 
 
 # ---------------------------------------------------------------------------------------------
@@ -234,11 +289,8 @@ def _convert(value: Any, tp: Any, where: str) -> Any:
 
 
 def _hints(cls) -> dict[str, Any]:
-    import sys
-
     # Each section's annotations resolve in its own module (they may be strings there).
-    ns = {**globals(), "TrainConfig": _train_config(), **vars(sys.modules[cls.__module__])}
-    return typing.get_type_hints(cls, globalns=ns)
+    return typing.get_type_hints(cls, globalns=vars(sys.modules[cls.__module__]))
 
 
 def from_dict(cls, data: Mapping[str, Any], *, prefix: str = ""):

@@ -2,8 +2,10 @@
 
 Keys follow verl's names where verl has one (`critic/score/mean`, `response_length/mean`,
 `actor/entropy`, `actor/pg_loss`, `actor/ppo_kl`, `actor/grad_norm`, `timing_s/step`, ...), so runs
-can be compared with verl's dashboards; our own signals live under `sparse_rl/`, `dgg/`, `sync/`
-and `kv/`.
+can be compared with verl's dashboards. Our own signals live under `correction/` (the Sparse-RL
+rejection and reweighting), `dgg/` (Dynamic Gradient Gating), `sync/` (PULSESync), `rollout/`
+(evicted tokens, KV bytes, weight version), `perf/` and `val/` (held-out evaluation).
+`step_metrics` assembles one RL step's row.
 """
 
 from __future__ import annotations
@@ -69,6 +71,72 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:
+    """verl-named learner metrics of one batch from its per-pass metrics (`Learner.train_on_batch`):
+    means over the passes that ran; DGG's energy of the last pass and its largest z."""
+    first = history[0]
+
+    def mean(key):
+        return float(np.mean([np.asarray(h[key], np.float64) for h in history]))
+
+    out = {
+        "actor/pg_loss": mean("pg_loss"),
+        "actor/loss": mean("loss"),
+        "actor/entropy": mean("entropy"),
+        "actor/kl_loss": mean("kl"),
+        "actor/ppo_kl": mean("approx_kl"),
+        "actor/pg_clipfrac": mean("clip_fraction"),
+        "actor/grad_norm": mean("grad_norm"),
+        "actor/lr": float(first["lr"]),
+        "dgg/g": float(history[-1]["dgg/g"]),
+        "dgg/z": float(np.max([h["dgg/z"] for h in history])),
+        "dgg/fires": int(sum(bool(h["dgg/fire"]) for h in history)),
+        "dgg/passes_run": int(first["passes_run"]),
+        "dgg/passes_applied": int(first["passes_applied"]),
+        "actor/nonfinite_skips": int(sum(bool(h["nonfinite"]) for h in history)),
+    }
+    # The correction depends on pi_old and mu only: the same on every pass.
+    out.update({k: float(v) for k, v in first.items() if k.startswith("correction/")})
+    return out
+
+
+def step_metrics(
+    *,
+    rewards: np.ndarray,
+    advantages: np.ndarray,
+    rollout,
+    max_new_tokens: int,
+    history: list[Mapping[str, Any]],
+    published,
+    sync_events: list,
+    timings: Mapping[str, float],
+) -> dict[str, Any]:
+    """One RL step's row: rewards and lengths (`rollout`: a `RolloutResult`), the learner's
+    passes, the PULSESync publication (`published`: a `Published`) and its apply events on the
+    sampler, and the `timing_s/` of each phase."""
+    lengths = rollout.completion_lens
+    return {
+        "critic/score/mean": float(rewards.mean()),
+        "critic/score/std": float(rewards.std()),
+        "critic/advantages/mean": float(advantages.mean()),
+        "response_length/mean": float(lengths.mean()),
+        "response_length/max": int(lengths.max()),
+        "response_length/clip_ratio": float(np.mean(lengths >= max_new_tokens)),
+        **learner_metrics(history),
+        "rollout/tokens_evicted": int(rollout.tokens_evicted.sum()),
+        "rollout/kv_peak_bytes": int(rollout.stats.get("kv_peak_bytes", 0)),
+        "rollout/weight_version": int(rollout.weight_version.max()),
+        "sync/version": int(published.version),
+        "sync/changed": int(published.total_changed),
+        "sync/changed_fraction": published.total_changed / max(published.numel, 1),
+        "sync/payload_bytes": len(published.patch or b""),
+        "sync/dense_bf16_bytes": int(published.dense_bytes),
+        "sync/verified": all(e.error is None for e in sync_events) and bool(sync_events),
+        "perf/rollout_tokens_per_s": float(rollout.stats.get("tokens_per_s", 0.0)),
+        **{f"timing_s/{k}": float(v) for k, v in timings.items()},
+    }
 
 
 def read_metrics(path: str | Path) -> list[dict]:

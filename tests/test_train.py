@@ -19,8 +19,9 @@ from sparserl_jax.config import load_config
 from sparserl_jax.metrics import read_metrics
 from sparserl_jax.rl import Learner
 from sparserl_jax.rollout import RolloutResult
+from sparserl_jax.sampler import step_seeds
 from sparserl_jax.testing import assert_trees_equal
-from sparserl_jax.train import rl_batch, step_seeds, train
+from sparserl_jax.train import rl_batch, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny.yaml")
@@ -97,7 +98,7 @@ def test_split_topology_end_to_end_and_sigterm(tmp_path):
 
 
 def _run(run_dir, *overrides, env):
-    cmd = [sys.executable, "-m", "sparserl_jax.train", TINY, f"run_dir={run_dir}", *overrides]
+    cmd = [sys.executable, "-m", "sparserl_jax", "train", TINY, f"run_dir={run_dir}", *overrides]
     return subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )

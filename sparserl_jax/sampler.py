@@ -1,0 +1,166 @@
+"""The sampler side of a run: its devices, its copy of the published weights, its engines.
+
+The sampler holds exactly the bits the trainer published (`bf16(master)` by default), received
+through PULSESync and checked against the publisher's full-state digest, and generates with them:
+training rollouts (sampled, `rollout` config) and held-out evaluation (the same sampling, plus
+one greedy completion per prompt).
+
+Meshes: `colocated` lays one mesh over every device (the sampler's weights live on the learner's
+devices); `split` gives the last `train.sampler_devices` devices to the sampler and the rest to
+the trainer, and the patch is applied onto the sampler mesh in-process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from sparserl_jax.config import TrainConfig
+from sparserl_jax.data import Example, compute_rewards
+from sparserl_jax.parallel import MeshConfig, make_mesh, state_shardings
+from sparserl_jax.rollout import RolloutConfig, RolloutEngine, RolloutResult
+from sparserl_jax.sync import ApplyEvent, Receiver, Transport, leaf_names
+from sparserl_jax.sync.mask import from_bits, published_dtype
+
+__all__ = [
+    "Sampler",
+    "completion_texts",
+    "make_meshes",
+    "published_params",
+    "sampler_shardings",
+    "step_seeds",
+]
+
+
+def make_meshes(
+    mesh_cfg: MeshConfig, train_cfg: TrainConfig, devices: Sequence[jax.Device]
+) -> tuple[Mesh, Mesh | None]:
+    """The trainer's mesh and, with `topology=split`, the sampler's (None when colocated)."""
+    if train_cfg.topology == "colocated":
+        return make_mesh(mesh_cfg, devices), None
+    k = train_cfg.sampler_devices
+    if k >= len(devices):
+        raise ValueError(
+            f"train.topology=split needs more devices than train.sampler_devices={k}; "
+            f"have {len(devices)} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+        )
+    trainer = make_mesh(mesh_cfg, devices[: len(devices) - k])
+    return trainer, make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), devices[len(devices) - k :])
+
+
+def sampler_shardings(model: nnx.Module, mesh: Mesh) -> dict[str, Any]:
+    """Per leaf name (`sync.leaf_names`), the sharding the sampler holds that weight with."""
+    state = nnx.state(model)
+    shardings = jax.tree.leaves(
+        nnx.to_pure_dict(state_shardings(state, mesh)),
+        is_leaf=lambda x: isinstance(x, NamedSharding),
+    )
+    return dict(zip(leaf_names(nnx.to_pure_dict(state)), shardings, strict=True))
+
+
+def published_params(bits_tree, like, publish_dtype):
+    """Published bits (a PULSESync tree) as parameters with the dtypes of `like`: exact, since
+    every published value is representable in the (wider) parameter dtype."""
+    return jax.tree.map(
+        lambda b, x: from_bits(b, published_dtype(x.dtype, publish_dtype)).astype(x.dtype),
+        bits_tree,
+        like,
+    )
+
+
+def step_seeds(seed: int, step: int, n: int) -> list[int]:
+    """Per-prompt rollout seeds of one step: a pure function of `(seed, step)`."""
+    return [int(s) for s in np.random.SeedSequence([seed, step]).generate_state(n)]
+
+
+def completion_texts(result: RolloutResult, tokenizer) -> list[str]:
+    """The decoded completions (special tokens such as the stop token dropped)."""
+    return [
+        tokenizer.decode(result.completion_ids[i, : int(result.completion_lens[i])].tolist())
+        for i in range(len(result.prompt_ids))
+    ]
+
+
+@dataclasses.dataclass
+class Sampler:
+    """The sampler's weights (received through PULSESync) and its two engines: `engine` samples
+    like the training rollouts, `eval_engine` decodes one greedy completion per prompt."""
+
+    receiver: Receiver
+    treedef: Any
+    names: list[str]
+    like: Any  # the parameter tree's shapes and dtypes
+    publish_dtype: Any
+    engine: RolloutEngine
+    eval_engine: RolloutEngine
+
+    @classmethod
+    def create(
+        cls,
+        model: nnx.Module,
+        params,
+        rollout: RolloutConfig,
+        *,
+        shardings: dict[str, Any],
+        publish_dtype,
+    ) -> Sampler:
+        """A sampler running `model`'s graph that holds nothing yet (its first `sync` brings the
+        weights), each leaf laid out as `shardings` says (see `sampler_shardings`). `params` gives
+        the parameter tree's structure and dtypes."""
+        return cls(
+            receiver=Receiver(lambda name, shape: shardings[name]),
+            treedef=jax.tree.structure(params),
+            names=leaf_names(params),
+            like=jax.eval_shape(lambda p: p, params),
+            publish_dtype=publish_dtype,
+            engine=RolloutEngine(model, rollout),
+            eval_engine=RolloutEngine(
+                model, dataclasses.replace(rollout, temperature=0.0, n_samples=1)
+            ),
+        )
+
+    @property
+    def version(self) -> int:
+        """The weight version the sampler holds."""
+        return self.receiver.version
+
+    def sync(self, transport: Transport) -> list[ApplyEvent]:
+        """Apply every patch (or anchor) newer than the held version; each event says whether it
+        was verified bit-identical."""
+        return self.receiver.sync(transport)
+
+    def params(self):
+        """The sampler's weights: its published bits, cast to the model's parameter dtypes."""
+        bits = self.receiver.tree(self.treedef, self.names)
+        return published_params(bits, self.like, self.publish_dtype)
+
+    def rollout(self, prompts: list[list[int]], seeds: list[int]) -> RolloutResult:
+        """Sample `rollout.n_samples` completions per prompt with the held weights."""
+        return self.engine.generate(
+            prompts, params=self.params(), weight_version=self.version, seeds=seeds
+        )
+
+    def evaluate(self, examples: list[Example], tokenizer, reward_fn) -> dict[str, float]:
+        """Held-out reward of the held weights: the mean over a group of completions per prompt
+        sampled like the training rollouts, with fixed seeds (`val/reward_mean`: the policy RL
+        improves), and of one greedy completion per prompt (`val/greedy_reward_mean`)."""
+        if not examples:
+            return {}
+        prompts = [tokenizer.encode(e.prompt, add_bos=True) for e in examples]
+        params = self.params()
+        seeds = list(range(len(prompts)))
+        out = {}
+        for prefix, engine in (("val/", self.engine), ("val/greedy_", self.eval_engine)):
+            result = engine.generate(prompts, params=params, seeds=seeds)
+            group = len(result.prompt_ids) // len(prompts)
+            texts = completion_texts(result, tokenizer)
+            rewards = compute_rewards(reward_fn, examples, texts, group_size=group)
+            out[f"{prefix}reward_mean"] = float(rewards.mean())
+            out[f"{prefix}response_length_mean"] = float(result.completion_lens.mean())
+        return out

@@ -129,7 +129,7 @@ def sft_pairs(cfg: DataConfig, num: int, *, split: str = "train") -> list[tuple[
 def encode_prompts(
     batch: PromptBatch | Sequence[Example], tokenizer, *, add_bos: bool = True
 ) -> list[list[int]]:
-    """Token ids of each prompt (feed to `rollout.pad_prompts`)."""
+    """Token ids of each prompt (as the rollout engine takes them)."""
     examples = batch.examples if isinstance(batch, PromptBatch) else batch
     return [tokenizer.encode(e.prompt, add_bos=add_bos) for e in examples]
 

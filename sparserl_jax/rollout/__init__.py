@@ -1,20 +1,16 @@
 """Rollouts: the jitted continuous-batching engine on the paged (optionally compressed) KV cache,
-sampling with the logprob contract, dense old-policy logprobs, and the simple static sampler."""
+sampling with the logprob contract, dense old-policy logprobs."""
 
 from sparserl_jax.rollout.config import RolloutConfig, RolloutResult
 from sparserl_jax.rollout.engine import RolloutEngine
-from sparserl_jax.rollout.generate import Generation, generate, pad_prompts
 from sparserl_jax.rollout.logprobs import dense_logprobs
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys, token_logprobs
 
 __all__ = [
-    "Generation",
     "RolloutConfig",
     "RolloutEngine",
     "RolloutResult",
     "dense_logprobs",
-    "generate",
-    "pad_prompts",
     "request_keys",
     "sample",
     "step_keys",

@@ -1,12 +1,13 @@
-"""The reference sampler: greedy == argmax of the dense forward; the logprob contract."""
+"""The reference sampler (a test oracle): greedy == argmax of the dense forward; the logprob contract."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from rollout_helpers import stepwise_greedy
 
-from sparserl_jax.rollout import generate, sample, token_logprobs
+from sparserl_jax.rollout import sample, token_logprobs
 from sparserl_jax.testing import tiny_model
+from sparserl_jax.testing.reference_sampler import generate
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
 

@@ -1,4 +1,7 @@
-"""Static-batch generation on the dense cache: the simple reference sampler.
+"""Static-batch generation on the dense cache: the simple reference sampler, a test oracle.
+
+The product's sampler is `sparserl_jax.rollout.RolloutEngine`; this one is small enough to read
+in one sitting and is what the engine is checked against.
 
 One jitted program: prefill of left-aligned, padded prompts, then a `lax.scan` of decode steps.
 Rows stop at a stop token or at `max_new_tokens`; finished rows emit padding.

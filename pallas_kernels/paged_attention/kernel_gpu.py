@@ -3,7 +3,7 @@
 GPU lowering: **Pallas Triton** (`jax.experimental.pallas.triton.CompilerParams`). The Triton
 backend of Pallas is deprecated from JAX 0.11; its successor is Mosaic GPU, which has no
 scalar-indexed page gather in its BlockSpec pipeline yet, so this kernel stays on Triton until it
-is ported (tracked in the report of issue 3). On a CPU it runs with `interpret=True`; it has not
+is ported. On a CPU it runs with `interpret=True`; it has not
 been run on a GPU yet. Triton wants power-of-two block extents (G, L, H) and dot tiles of at
 least 16: pad G / H on a real GPU as `jax.experimental.pallas.ops.gpu.paged_attention` does.
 

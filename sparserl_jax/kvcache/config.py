@@ -1,6 +1,6 @@
-"""Compression settings for the paged KV cache (paper defaults: ARCHITECTURE.md §5).
+"""Compression settings for the paged KV cache.
 
-Defaults follow Sparse-RL's release (`reference/sparse_rl.md` §1): budget B = 512 tokens,
+Defaults follow Sparse-RL's release (arXiv 2601.10079 and its code): budget B = 512 tokens,
 observation window w = 8, re-compress every 128 decode steps once a row holds more than B tokens,
 keep the top (B - w) tokens by score plus the w most recent, 1-D max-pool kernel 7, R-KV mixing
 λ = 0.1 (the R-KV repository uses 0.07).

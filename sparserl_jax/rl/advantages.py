@@ -5,7 +5,7 @@ Rewards arrive flat, `[B]`, with the `G` samples of each prompt stored contiguou
 GRPO groups. Every function returns one advantage per sequence, `[B]`; the learner broadcasts it
 over the sequence's tokens.
 
-Advantages are computed over the *full* group, before any Sparse-RL rejection (ARCHITECTURE §7):
+Advantages are computed over the *full* group, before any Sparse-RL rejection (as Sparse-RL does):
 rejecting a sample later removes its tokens from the loss, it never changes its siblings'
 advantages.
 """

@@ -20,7 +20,7 @@ SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """The per-token objective (ARCHITECTURE §7).
+    """The per-token objective: PPO-clip on group advantages, optional KL and entropy terms.
 
     Attributes:
       eps_low, eps_high: PPO clip range `[1 - eps_low, 1 + eps_high]` (DAPO: 0.2 / 0.28).

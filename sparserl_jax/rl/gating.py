@@ -6,12 +6,13 @@ the lm_head gradient energy `g = ||dL/dW_head||_F^2` before clipping; a sliding 
 increments `dg = g - g_prev` is kept *across* batches. Once the window is full and the pass
 index k > 1, the gate fires when `z = (dg - mean(window)) / (std(window) + eps) > tau`; the
 update is then discarded before the optimizer (its moments never see the spike) and reuse of the
-batch ends. The rule is the reconstruction in `reference/dgg.md` §1.3 (no public code exists).
+batch ends. No public code exists: the rule is reconstructed from the paper's abstract and
+summaries (energy of the lm_head gradient, its increment's z-score against a window, tau in
+0.1-0.5, K = 4).
 
-Implementation choices where the paper is silent (dgg.md §1.2): the window holds plain
-increments with their population mean/std (no EMA); a fired step appends nothing and leaves
-`g_prev` alone, so a spike cannot poison the statistics; by default `g_prev` carries over from
-the previous batch (`reset_each_batch=True` only counts increments between passes of one batch).
+Implementation choices where the paper is silent: the window holds plain increments with their
+population mean/std (no EMA); a fired step appends nothing and leaves `g_prev` alone, so a spike
+cannot poison the statistics; by default `g_prev` carries over from the previous batch (`reset_each_batch=True` only counts increments between passes of one batch).
 
 The gate follows optax's `init` / `update` shape with a NamedTuple state, so it lives inside the
 jitted learner step; feed it the *globally reduced* energy (under `jit` with sharded gradients a

@@ -13,7 +13,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-# The logprob contract (ARCHITECTURE §3) has one home, next to the sampler that records it.
+# The logprob contract (`log softmax(logits / T)` at each token) has one home, next to the
+# sampler that records it.
 from sparserl_jax.rollout.sampling import shifted_token_logprobs as shifted_token_logprobs
 from sparserl_jax.rollout.sampling import token_logprobs as token_logprobs
 

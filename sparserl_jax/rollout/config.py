@@ -23,7 +23,8 @@ class RolloutConfig:
       temperature: softmax temperature T; 0 is greedy (logprobs then use T = 1).
       top_k: keep the k most likely tokens when sampling (0: off).
       top_p: nucleus sampling mass (1: off). Truncation changes what is sampled, never the
-        recorded logprob (`log softmax(logits / T)`, ARCHITECTURE.md §3).
+        recorded logprob (`log softmax(logits / T)`, the logprob contract of
+        `rollout.sampling`).
       stop_token_ids: a completion ends after the first of these (it is included).
       n_samples: completions per prompt (a GRPO group), rows `i * n_samples + j`.
       chunk_steps: decode steps per jitted chunk; the host syncs once per chunk.

@@ -1,4 +1,4 @@
-"""Token sampling, per-request keys, and the sampler-logprob contract (ARCHITECTURE.md §3).
+"""Token sampling, per-request keys, and the sampler-logprob contract.
 
 The logprob recorded for a sampled token is `log softmax(logits / T)` at that token, *without*
 top-k / top-p truncation, so the learner can recompute it exactly by teacher forcing with the same

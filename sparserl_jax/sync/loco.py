@@ -8,8 +8,8 @@ mean pseudo-gradient
 
 applied by outer Nesterov SGD (lr 0.7, momentum 0.9); every replica then resets to the new θ.
 
-PULSELoCo (PULSE v2, arXiv 2602.03839, reconstructed from the authors' grail "PULSE-DiLoCo" v6;
-`reference/pulse_sync.md` §4) replaces the dense Δ_r by a sparse one with error feedback:
+PULSELoCo (PULSE v2, arXiv 2602.03839, reconstructed from the authors' grail "PULSE-DiLoCo" v6)
+replaces the dense Δ_r by a sparse one with error feedback:
 
     s_r    = e_r + Δ_r                               (accumulated pseudo-gradient)
     gate_r = bits(bf16(θ)) != bits(bf16(θ − s_r))    (would the step change the bf16 forward?)

@@ -12,7 +12,8 @@ summaries (energy of the lm_head gradient, its increment's z-score against a win
 
 Implementation choices where the paper is silent: the window holds plain increments with their
 population mean/std (no EMA); a fired step appends nothing and leaves `g_prev` alone, so a spike
-cannot poison the statistics; by default `g_prev` carries over from the previous batch (`reset_each_batch=True` only counts increments between passes of one batch).
+cannot poison the statistics; by default `g_prev` carries over from the previous batch
+(`reset_each_batch=True` only counts increments between passes of one batch).
 
 The gate follows optax's `init` / `update` shape with a NamedTuple state, so it lives inside the
 jitted learner step; feed it the *globally reduced* energy (under `jit` with sharded gradients a

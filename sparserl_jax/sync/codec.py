@@ -31,6 +31,7 @@ import numpy as np
 
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
 from sparserl_jax.sync.extract import LeafChanges
+from sparserl_jax.sync.planes import byte_planes, entropy_bytes, from_planes, uint_dtype
 
 MAGIC = b"PSYN"
 FORMAT_VERSION = 1
@@ -111,10 +112,6 @@ class Patch:
     tensors: dict[str, TensorPatch]
 
 
-def _uint(size: int) -> np.dtype:
-    return np.dtype(f"<u{size}")
-
-
 def state_digest(specs: Sequence[TensorSpec], leaf_digests: Mapping[str, np.ndarray]) -> str:
     """blake2b-128 over every leaf's name, dtype, shape and two digest lanes, in manifest order."""
     h = hashlib.blake2b(digest_size=16)
@@ -123,32 +120,6 @@ def state_digest(specs: Sequence[TensorSpec], leaf_digests: Mapping[str, np.ndar
         h.update(f"{s.name}|{s.dtype}|{','.join(map(str, s.shape))}|".encode())
         h.update(lanes.astype("<u4").tobytes())
     return h.hexdigest()
-
-
-def _planes(x: np.ndarray, width: int) -> list[np.ndarray]:
-    """Little-endian byte planes of a uint array: plane p holds byte p of every element."""
-    b = np.ascontiguousarray(x.astype(_uint(width), copy=False)).view(np.uint8)
-    return [b[p::width] for p in range(width)]
-
-
-def _unplane(planes: Sequence[np.ndarray], width: int) -> np.ndarray:
-    out = np.empty((planes[0].size, width), np.uint8)
-    for p, plane in enumerate(planes):
-        out[:, p] = plane
-    return out.reshape(-1).view(_uint(width))
-
-
-def _entropy_bytes(planes: Sequence[np.ndarray], sample: int = 1 << 16) -> float:
-    """Zeroth-order entropy of each byte plane, in bytes: what an entropy coder can reach.
-
-    Estimated from an evenly strided sample of at most `sample` bytes per plane.
-    """
-    total = 0.0
-    for plane in planes:
-        counts = np.bincount(plane[:: max(1, plane.size // sample)], minlength=256)
-        p = counts[counts > 0] / counts.sum()
-        total += float(-(p * np.log2(p)).sum()) * plane.size / 8
-    return total
 
 
 def _gap_width(max_gap: int) -> int:
@@ -164,8 +135,8 @@ def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig) -> str:
         return config.values
     if config.compression == "none":
         return "new"
-    new_b = _entropy_bytes(_planes(ch.new, itemsize))
-    xor_b = _entropy_bytes(_planes(ch.delta, itemsize))
+    new_b = entropy_bytes(byte_planes(ch.new, itemsize))
+    xor_b = entropy_bytes(byte_planes(ch.delta, itemsize))
     return "xor" if xor_b < new_b else "new"
 
 
@@ -215,16 +186,18 @@ def encode(
             mode = _value_mode(ch, s.itemsize, config)
             vals = ch.delta if mode == "xor" else ch.new
             entry.update(encoding="sparse", nnz=ch.count, gap_width=width, values=mode)
-            for p, plane in enumerate(_planes(gaps, width)):
+            for p, plane in enumerate(byte_planes(gaps, width)):
                 streams[f"g{p}"] = [plane]
-            for p, plane in enumerate(_planes(vals, s.itemsize)):
+            for p, plane in enumerate(byte_planes(vals, s.itemsize)):
                 streams[f"v{p}"] = [plane]
         elif entry.get("encoding") is None:
             dense = np.asarray(dense_bits(s.name))
             if dense.shape != s.shape or dense.dtype.itemsize != s.itemsize:
                 raise ValueError(f"dense bits of {s.name}: {dense.shape}/{dense.dtype} != {s}")
             entry["encoding"] = "dense"
-            streams["d"] = [np.ascontiguousarray(dense.astype(_uint(s.itemsize))).view(np.uint8)]
+            streams["d"] = [
+                np.ascontiguousarray(dense.astype(uint_dtype(s.itemsize))).view(np.uint8)
+            ]
         entry["digest"] = [int(v) for v in np.asarray(leaf_digests[s.name], np.uint32)]
         entries.append((entry, streams))
 
@@ -437,7 +410,7 @@ def decode(blob: bytes, *, expect: Sequence[TensorSpec] | None = None) -> Patch:
             out[s.name] = TensorPatch(s, "unchanged")
         elif enc == "dense":
             raw = take(entry, s.name, "d", s.numel * s.itemsize)
-            bits = raw.view(_uint(s.itemsize)).reshape(s.shape)
+            bits = raw.view(uint_dtype(s.itemsize)).reshape(s.shape)
             out[s.name] = TensorPatch(s, "dense", bits=bits)
         elif enc == "sparse":
             _check(kind == "patch", f"tensor {s.name}: an anchor must be dense")
@@ -447,8 +420,8 @@ def decode(blob: bytes, *, expect: Sequence[TensorSpec] | None = None) -> Patch:
             )
             _check(width in GAP_WIDTHS, f"tensor {s.name}: bad gap_width {width!r}")
             _check(mode in ("new", "xor"), f"tensor {s.name}: bad values mode {mode!r}")
-            gaps = _unplane([take(entry, s.name, f"g{p}", nnz) for p in range(width)], width)
-            vals = _unplane(
+            gaps = from_planes([take(entry, s.name, f"g{p}", nnz) for p in range(width)], width)
+            vals = from_planes(
                 [take(entry, s.name, f"v{p}", nnz) for p in range(s.itemsize)], s.itemsize
             )
             index = np.cumsum(gaps.astype(np.int64) + 1) - 1

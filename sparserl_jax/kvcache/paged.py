@@ -1,6 +1,6 @@
 """The paged KV cache: page pools shared through one page table, following `DecodeCache`.
 
-Per layer a K and a V pool `[P, L, K, H]` (stacked over layers: `[layers, P, L, K, H]`); one page
+Per layer a K and a V pool `[P, L, K, H]` (stacked over layers: `[Y, P, L, K, H]`); one page
 table `[B, M]` for all layers (a page id names the same page in every layer's pool), kept-token
 counts, and the next absolute position of each slot. Keys are stored after RoPE, so a kept key
 stays valid however far it is compacted; a new token's RoPE position is its absolute position

@@ -17,8 +17,7 @@ tokens, sorted by position (Sparse-RL / R-KV). Candidates are the tokens before 
   `retain_direction="last"`; rows with no such partner are left alone, where R-KV's argmax would
   zero column 0).
 
-Axis letters: Y layers (L is the page length), B slots, K kv heads, S = M * L slot capacity,
-J kept tokens.
+Axis letters as in the package docstring (`sparserl_jax`).
 
 Granularity: per KV head uses the scores as they are; per layer sums them over KV heads; per
 sequence sums over layers and KV heads (Sparse-RL sums over heads).

@@ -18,8 +18,7 @@ Contract:
 - Caches are pytrees (`jax.tree_util.register_dataclass`), so they pass through `jit` and
   `lax.while_loop`; `attend` must be pure. Layer indices are static Python ints.
 
-Axis letters: B batch (slots), T new tokens, S cached length, N query heads, K kv heads,
-G = N // K query heads per kv head, H head dim, L layers.
+Axis letters as in the package docstring (`sparserl_jax`).
 """
 
 from __future__ import annotations
@@ -48,14 +47,14 @@ class DecodeCache(Protocol):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class DenseKVCache:
-    """Contiguous per-layer K/V buffers `[L, B, S, K, H]`: the dense reference cache.
+    """Contiguous per-layer K/V buffers `[Y, B, S, K, H]`: the dense reference cache.
 
     Every token stays, so the next absolute position of a row equals its length. Used for plain
     generation and as the reference the paged cache is tested against.
     """
 
-    k_lbskh: jax.Array
-    v_lbskh: jax.Array
+    k_ybskh: jax.Array
+    v_ybskh: jax.Array
     lengths_b: jax.Array  # int32 [B]: tokens stored per row
     new_counts_b: jax.Array  # int32 [B]: real tokens in the step in flight (0 between steps)
 
@@ -76,7 +75,7 @@ class DenseKVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k_lbskh.shape[2]
+        return self.k_ybskh.shape[2]
 
     def begin_step(self, token_mask_bt: jax.Array) -> tuple[DenseKVCache, jax.Array]:
         t = token_mask_bt.shape[1]
@@ -98,9 +97,9 @@ class DenseKVCache:
             return buf_skh.at[start + jnp.arange(t)].set(new_tkh, mode="drop")
 
         write = jax.vmap(write)
-        dtype = self.k_lbskh.dtype
-        k_bskh = write(self.k_lbskh[layer], k_btkh.astype(dtype), self.lengths_b)
-        v_bskh = write(self.v_lbskh[layer], v_btkh.astype(dtype), self.lengths_b)
+        dtype = self.k_ybskh.dtype
+        k_bskh = write(self.k_ybskh[layer], k_btkh.astype(dtype), self.lengths_b)
+        v_bskh = write(self.v_ybskh[layer], v_btkh.astype(dtype), self.lengths_b)
         query_pos_bt = self.lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
         key_pos_s = jnp.arange(s, dtype=jnp.int32)
         new_len_b = self.lengths_b + self.new_counts_b
@@ -110,8 +109,8 @@ class DenseKVCache:
         out_btnh = gqa_attention(q_btnh, k_bskh, v_bskh, mask_bts).astype(q_btnh.dtype)
         cache = dataclasses.replace(
             self,
-            k_lbskh=self.k_lbskh.at[layer].set(k_bskh),
-            v_lbskh=self.v_lbskh.at[layer].set(v_bskh),
+            k_ybskh=self.k_ybskh.at[layer].set(k_bskh),
+            v_ybskh=self.v_ybskh.at[layer].set(v_bskh),
         )
         return out_btnh, cache
 

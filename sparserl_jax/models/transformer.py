@@ -1,7 +1,6 @@
 """Flax NNX decoder-only transformer for the Llama-3 / Qwen2 / Qwen3 family.
 
-Axis letters: B batch, T query time, S key time, D model, N query heads, K kv heads,
-G = N // K, H head dim, F mlp width, V vocab.
+Axis letters as in the package docstring (`sparserl_jax`).
 
 Two entry points share every weight and every projection:
 - `model(tokens, positions=None, segment_ids=None)`: teacher forcing over whole (optionally

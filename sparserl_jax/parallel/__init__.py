@@ -11,3 +11,15 @@ from sparserl_jax.parallel.sharding import (
     shard_model,
     state_shardings,
 )
+
+__all__ = [
+    "MESH_AXES",
+    "MeshConfig",
+    "RULES",
+    "batch_sharding",
+    "create_sharded",
+    "logical_to_spec",
+    "make_mesh",
+    "shard_model",
+    "state_shardings",
+]

@@ -22,6 +22,14 @@ demo: $(STAMP)
 	rm -rf runs/demo
 	$(PY) -m sparserl_jax train configs/demo.yaml
 
+# The tunix side-by-side (`tools/bench_rollout.py --peer tunix`): google-tunix pins older
+# transformers/tokenizers than the test extra wants, so it gets its own venv, .venv-bench.
+.PHONY: bench-venv
+bench-venv:
+	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
+	.venv-bench/bin/python -m pip install "torch==2.13.0"
+	.venv-bench/bin/python -m pip install -e ".[bench]"
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .
 

@@ -50,26 +50,59 @@ class ConfigError(ValueError):
 class ModelSpec:
     """Where the model comes from and how it computes.
 
+    Set either `hf_dir` (weights and architecture from a checkpoint) or a random model's
+    architecture: `preset`, `arch`, or both (`arch`'s keys then replace the preset's fields).
+
     Attributes:
       hf_dir: a local Hugging Face checkpoint directory (Llama-3, Qwen2/2.5, Qwen3). When set,
-        the architecture comes from its `config.json` and `arch` must be left out.
-      arch: the architecture of a randomly initialised model (when `hf_dir` is null). Its
-        dtype/param_dtype/remat fields are taken from this section, not from `arch`.
+        the architecture comes from its `config.json` and `preset`/`arch` must be left out.
+      preset: a name in `sparserl_jax.models.MODEL_PRESETS` (e.g. `qwen2.5-0.5b`, `char-tiny`);
+        an unknown name is an error naming the closest ones.
+      arch: the architecture of a randomly initialised model (when `hf_dir` is null): a
+        `ModelConfig` or a mapping of its fields, all of them without `preset`, any of them on
+        top of it (`head_dim` is not re-derived). Always the resolved `ModelConfig` after init.
+        Its dtype/param_dtype/remat fields are taken from this section, not from `arch`.
       dtype: compute dtype. param_dtype: storage dtype of the (master) parameters.
       remat: rematerialise blocks in the backward pass.
       seed: initialisation seed of a random model.
     """
 
     hf_dir: str | None = None
-    arch: ModelConfig | None = None
+    preset: str | None = None
+    arch: Any = None  # ModelConfig | Mapping[str, Any] | None; a ModelConfig or None after init
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
     seed: int = 0
 
     def __post_init__(self):
-        if (self.hf_dir is None) == (self.arch is None):
-            raise ConfigError("model: set exactly one of model.hf_dir and model.arch")
+        from sparserl_jax.models.presets import model_preset
+
+        if (self.hf_dir is None) == (self.arch is None and self.preset is None):
+            raise ConfigError(
+                "model: set exactly one of model.hf_dir and model.arch/model.preset (a preset's "
+                "fields can be overridden by model.arch)"
+            )
+        if self.hf_dir is not None:
+            return
+        fields = {}
+        if self.preset is not None:
+            try:
+                preset = model_preset(self.preset)
+            except ValueError as e:
+                raise ConfigError(f"model.preset: {e}") from None
+            fields = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}
+        arch = self.arch
+        if arch is None:
+            arch = preset
+        elif isinstance(arch, Mapping):
+            arch = from_dict(ModelConfig, {**fields, **arch}, prefix="model.arch")
+        elif not isinstance(arch, ModelConfig):
+            raise ConfigError(
+                f"model.arch = {arch!r} ({type(arch).__name__}) but expected a mapping of "
+                "ModelConfig fields"
+            )
+        object.__setattr__(self, "arch", arch)
 
     def model_config(self) -> ModelConfig:
         """The resolved architecture (reads `config.json` when `hf_dir` is set)."""

@@ -7,11 +7,13 @@ import pytest
 from sparserl_jax.config import (
     Config,
     ConfigError,
+    ModelSpec,
     apply_overrides,
     from_dict,
     load_config,
     to_dict,
 )
+from sparserl_jax.models import model_preset
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -78,3 +80,29 @@ def test_missing_and_malformed():
         apply_overrides({}, ["model.dtype"])
     with pytest.raises(ConfigError, match="is a value, not a section"):
         apply_overrides({"run_dir": "x"}, ["run_dir.sub=1"])
+
+
+def test_model_preset_and_arch_overrides():
+    cfg = load_config("configs/tiny.yaml", ["model.preset=qwen2.5-0.5b"])
+    assert cfg.model.preset == "qwen2.5-0.5b"
+    assert cfg.model.arch == model_preset("qwen2.5-0.5b")
+    # `arch` keys replace single fields of the preset; the rest stays the preset's.
+    cfg = load_config("configs/tiny.yaml", ["model.preset=loco-small", "model.arch.num_layers=3"])
+    assert cfg.model.arch == model_preset("loco-small", num_layers=3)
+    spec = cfg.model.model_config()
+    assert (spec.num_layers, spec.dtype, spec.vocab_size) == (3, "float32", 512)
+    # A whole ModelConfig as arch, no preset, as before.
+    spec = ModelSpec(arch=model_preset("char-tiny"), dtype="float32")
+    assert spec.preset is None and spec.model_config().vocab_size == 96
+
+
+def test_unknown_model_preset_names_closest():
+    with pytest.raises(ConfigError, match=r"model.preset: unknown model preset 'qwen2.5-05b'; "
+                       r"did you mean 'qwen2.5-0.5b'"):  # fmt: skip
+        load_config("configs/tiny.yaml", ["model.preset=qwen2.5-05b"])
+    with pytest.raises(
+        ConfigError, match="exactly one of model.hf_dir and model.arch/model.preset"
+    ):
+        load_config("configs/qwen3-0.6b.yaml", ["model.preset=qwen3-0.6b"])
+    with pytest.raises(ConfigError, match=r"model.arch = 5 \(int\) but expected a mapping"):
+        load_config("configs/tiny.yaml", ["model.arch=5"])

@@ -5,8 +5,9 @@
         --micro-batches 4 --dtype bfloat16            # GPU/TPU
 
 A randomly initialised model with the preset's architecture (no weights are read) runs the full
-learner step (Sparse-RL correction, PPO-clip, DGG, AdamW) on random tokens. The last line
-printed is one JSON object: {"tokens_per_s": ..., "step_ms": ..., ...}.
+learner step (Sparse-RL correction, PPO-clip, DGG, AdamW) on random tokens
+(`benchmarks.learner`). The last line printed is one JSON object:
+{"tokens_per_s": ..., "step_ms": ..., ...}.
 """
 
 from __future__ import annotations
@@ -16,54 +17,20 @@ import json
 
 from flax import nnx
 
-from sparserl_jax.models import ModelConfig, Transformer
+from benchmarks.learner import PRESETS, benchmark_learner, model_config, synthetic_batch
+from sparserl_jax.models import Transformer
 from sparserl_jax.parallel import MeshConfig, make_mesh
-from sparserl_jax.rl.benchmark import benchmark_learner, synthetic_batch
 from sparserl_jax.rl.config import LearnerConfig, OptimizerConfig
 from sparserl_jax.rl.gating import DGGConfig
-
-# Architectures only (the shapes of the public checkpoints); weights are random.
-PRESETS = {
-    "small": dict(
-        vocab_size=8192,
-        hidden_size=512,
-        num_layers=8,
-        num_heads=8,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=1408,
-        tie_embeddings=True,
-    ),
-    "qwen2.5-0.5b": dict(
-        vocab_size=151936,
-        hidden_size=896,
-        num_layers=24,
-        num_heads=14,
-        num_kv_heads=2,
-        head_dim=64,
-        intermediate_size=4864,
-        qkv_bias=True,
-        tie_embeddings=True,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-    ),
-}
-
-
-def model_config(preset: str, dtype: str, remat: bool) -> ModelConfig:
-    if preset in PRESETS:
-        arch = ModelConfig(**PRESETS[preset])
-    else:  # a YAML preset from configs/ (e.g. "tiny" -> configs/tiny.yaml)
-        from sparserl_jax.config import load_config  # only YAML presets need the config system
-
-        spec = load_config(f"configs/{preset}.yaml").model
-        arch = spec.model_config()
-    return arch.replace(dtype=dtype, param_dtype="float32", remat=remat)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--preset", default="tiny", help=f"{sorted(PRESETS)} or a configs/ name")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        help=f"{sorted(PRESETS)}, a sparserl_jax.models.MODEL_PRESETS name or a configs/ name",
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--prompt-len", type=int, default=32)

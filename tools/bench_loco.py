@@ -6,7 +6,7 @@
 
 Prints progress to stderr and, with --json, one JSON line last on stdout:
 `{"ddp": {"final_loss", "bytes", ...}, "diloco": {...}, "pulseloco": {...}, "summary": {...},
-"config": {...}}` (see `sparserl_jax.sync.loco_bench.run`). Each replica is one fake CPU device.
+"config": {...}}` (see `benchmarks.loco.run`). Each replica is one fake CPU device.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--replicas", type=int, default=4, help="R trainer replicas (2..4)")
     p.add_argument("--inner-steps", type=int, default=10, help="H inner steps per round (10..50)")
     p.add_argument("--rounds", type=int, default=10, help="outer rounds; DDP runs rounds*H steps")
-    p.add_argument("--preset", default="small", help="model size: tiny, small, base")
+    p.add_argument(
+        "--preset", default="small", help="model size: tiny, small, base (benchmarks.loco.PRESETS)"
+    )
     p.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--pretrain-steps", type=int, default=150)
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={a.replicas}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-    from sparserl_jax.sync.loco_bench import LoCoBenchConfig, run
+    from benchmarks.loco import LoCoBenchConfig, run
 
     cfg = LoCoBenchConfig(
         lr=a.lr, replicas=a.replicas, inner_steps=a.inner_steps, rounds=a.rounds,

@@ -25,10 +25,10 @@ import time
 import jax
 from flax import nnx
 
+from benchmarks.rollout import PRESETS, bench_model_config, speed_benchmark, tunix_available
 from pallas_kernels._dispatch import KERNEL_IMPL_ENV
 from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.models import Transformer
-from sparserl_jax.rollout.bench import PRESETS, bench_model_config, speed_benchmark, tunix_available
 
 
 def main() -> None:

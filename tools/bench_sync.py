@@ -3,7 +3,7 @@
     python tools/bench_sync.py --lr 1e-6 --steps 10 --json
 
 Prints progress to stderr and, with --json, one JSON line last on stdout (see
-`sparserl_jax.sync.bench.run`).
+`benchmarks.sync.run`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 import json
 import sys
 
-from sparserl_jax.sync.bench import PRESETS, BenchConfig, run
+from benchmarks.sync import PRESETS, BenchConfig, run
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,13 +4,11 @@ SnapKV, H2O and R-KV compression policies that really give pages back."""
 from sparserl_jax.kvcache.builder import paged_cache_for
 from sparserl_jax.kvcache.compress import compress, compress_rows, release_slots, should_compress
 from sparserl_jax.kvcache.config import CompressionConfig, Granularity, Policy
-from sparserl_jax.kvcache.generate import GenerationStats, greedy_generate, memory_benchmark
 from sparserl_jax.kvcache.paged import PagedKVCache, PoolExhaustedError, check_overflow
 from sparserl_jax.kvcache.policies import policy_scores, select_tokens
 
 __all__ = [
     "CompressionConfig",
-    "GenerationStats",
     "Granularity",
     "PagedKVCache",
     "Policy",
@@ -18,8 +16,6 @@ __all__ = [
     "check_overflow",
     "compress",
     "compress_rows",
-    "greedy_generate",
-    "memory_benchmark",
     "paged_cache_for",
     "policy_scores",
     "release_slots",

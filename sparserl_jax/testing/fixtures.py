@@ -7,25 +7,14 @@ import numpy as np
 from flax import nnx
 
 from sparserl_jax.models.config import ModelConfig
+from sparserl_jax.models.presets import model_preset
 from sparserl_jax.models.transformer import Transformer
 
 
 def tiny_model_config(**overrides) -> ModelConfig:
-    """A 2-layer GQA decoder small enough for CPU tests (vocab 67, D 48, 4 q / 2 kv heads)."""
-    base = dict(
-        vocab_size=67,
-        hidden_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=12,
-        intermediate_size=88,
-        rope_theta=10000.0,
-        qkv_bias=True,
-        family="qwen2",
-    )
-    base.update(overrides)
-    return ModelConfig(**base)
+    """A 2-layer GQA decoder small enough for CPU tests (vocab 67, D 48, 4 q / 2 kv heads): the
+    `test-tiny` preset with `overrides` applied."""
+    return model_preset("test-tiny", **overrides)
 
 
 def tiny_model(seed: int = 0, **overrides) -> Transformer:

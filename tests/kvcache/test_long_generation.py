@@ -16,20 +16,10 @@ from sparserl_jax.kvcache import (
     check_overflow,
     paged_cache_for,
 )
-from sparserl_jax.kvcache.generate import greedy_generate
-from sparserl_jax.models import ModelConfig, Transformer
+from sparserl_jax.models import Transformer, model_preset
+from sparserl_jax.testing import greedy_generate
 
-TINY = ModelConfig(
-    vocab_size=53,
-    hidden_size=16,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=4,
-    intermediate_size=24,
-    param_dtype="float32",
-    dtype="float32",
-)
+TINY = model_preset("kv-longgen-tiny", param_dtype="float32", dtype="float32")
 BUDGET, INTERVAL, PAGE, BATCH, PROMPT = 16, 8, 4, 2, 5
 
 

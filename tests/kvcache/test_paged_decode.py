@@ -13,23 +13,9 @@ import pytest
 from flax import nnx
 
 from sparserl_jax.kvcache import CompressionConfig, PagedKVCache, compress, paged_cache_for
-from sparserl_jax.models import DenseKVCache, ModelConfig, Transformer
+from sparserl_jax.models import DenseKVCache, Transformer, model_preset
 
-TINY = ModelConfig(
-    vocab_size=61,
-    hidden_size=24,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=6,
-    intermediate_size=40,
-    tie_embeddings=False,
-    qkv_bias=True,
-    qk_norm=False,
-    rope_theta=10000.0,
-    param_dtype="float32",
-    dtype="float32",
-)
+TINY = model_preset("kv-paged-tiny", param_dtype="float32", dtype="float32")
 
 
 @pytest.fixture(scope="module")

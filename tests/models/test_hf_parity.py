@@ -11,18 +11,21 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from sparserl_jax.models import hf as hf_io  # noqa: E402
+from sparserl_jax.models import model_preset  # noqa: E402
 from sparserl_jax.models.hf import CheckpointError, from_hf, to_hf  # noqa: E402
 
-# Prime-ish sizes so a transposed or mis-split tensor cannot line up by accident.
+# Prime-ish sizes so a transposed or mis-split tensor cannot line up by accident. Only these keys
+# are given: each case's config class supplies the rest (Qwen3's default head_dim included).
+ARCH = model_preset("hf-parity-tiny")
 BASE = dict(
-    vocab_size=61,
-    hidden_size=40,
-    intermediate_size=56,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
+    vocab_size=ARCH.vocab_size,
+    hidden_size=ARCH.hidden_size,
+    intermediate_size=ARCH.intermediate_size,
+    num_hidden_layers=ARCH.num_layers,
+    num_attention_heads=ARCH.num_heads,
+    num_key_value_heads=ARCH.num_kv_heads,
+    max_position_embeddings=ARCH.max_position_embeddings,
+    rms_norm_eps=ARCH.rms_norm_eps,
 )
 
 CASES = {

@@ -1,6 +1,6 @@
 """Sparse mode: the engine on a compressing cache equals the KV-cache issue's reference loop.
 
-`kvcache.greedy_generate` (prefill, then decode + `compress` each step) is the reference: the
+`testing.greedy_generate` (prefill, then decode + `compress` each step) is the reference: the
 engine, greedy, with one slot per request, must produce the same tokens and evict the same
 number of tokens; with fewer slots than requests (continuous batching) every request still
 gets its full completion and the pool is never exceeded.
@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparserl_jax.kvcache import CompressionConfig, greedy_generate, paged_cache_for
+from sparserl_jax.kvcache import CompressionConfig, paged_cache_for
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine
-from sparserl_jax.testing import tiny_model
+from sparserl_jax.testing import greedy_generate, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9], [9, 10, 11, 12, 13], [11, 12, 13, 14, 15]]
 GEN = 30

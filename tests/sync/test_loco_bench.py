@@ -7,15 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchmarks.bigram import chain
+from benchmarks.loco import LoCoBenchConfig, build_model, grpo_loss, rl_problem, run
 from sparserl_jax.sync import loco
-from sparserl_jax.sync.loco_bench import (
-    LoCoBenchConfig,
-    build_model,
-    chain,
-    grpo_loss,
-    rl_problem,
-    run,
-)
 
 TINY = dict(
     preset="tiny", replicas=2, inner_steps=2, rounds=2, batch=8, seq_len=8, pretrain_steps=5,

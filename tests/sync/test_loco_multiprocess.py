@@ -19,8 +19,9 @@ import time
 import jax
 import optax
 
+from benchmarks.bigram import chain, sample
+from benchmarks.loco import build_model, next_token_loss
 from sparserl_jax.sync import loco
-from sparserl_jax.sync.loco_bench import build_model, chain, next_token_loss, sample
 from sparserl_jax.sync.loco_runtime import LoCoTrainer, init_cpu_distributed, replica_mesh
 
 H, R, ROUNDS, BATCH, LENGTH, LR = 3, 2, 3, 4, 9, 1e-4

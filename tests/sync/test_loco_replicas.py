@@ -16,8 +16,9 @@ import optax
 import pytest
 from jax.flatten_util import ravel_pytree
 
+from benchmarks.bigram import chain, sample
+from benchmarks.loco import build_model, next_token_loss
 from sparserl_jax.sync import loco
-from sparserl_jax.sync.loco_bench import build_model, chain, next_token_loss, sample
 from sparserl_jax.sync.loco_runtime import LoCoTrainer, replica_mesh
 
 H, R, ROUNDS, BATCH, LENGTH = 3, 2, 3, 4, 9

@@ -2,7 +2,7 @@
 
 import json
 
-from sparserl_jax.sync.bench import BenchConfig, run
+from benchmarks.sync import BenchConfig, run
 
 
 def test_bench_tiny_is_bit_identical_and_reports_the_issue_fields():

@@ -43,6 +43,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from benchmarks.bigram import chain, sample, shifted
+from sparserl_jax.models import Transformer, model_preset
 from sparserl_jax.rl.advantages import grpo_advantages
 from sparserl_jax.rl.losses import aggregate_loss, ppo_clip_loss, shifted_token_logprobs
 from sparserl_jax.rollout.logprobs import dense_logprobs
@@ -51,12 +53,8 @@ from sparserl_jax.sync.loco_runtime import LoCoTrainer, replica_mesh
 
 TASKS = ("rl", "shift")
 
-PRESETS = {
-    # name: (vocab V, width D, layers, heads N, kv heads K, head dim H, MLP width F)
-    "tiny": (128, 32, 1, 2, 1, 16, 64),
-    "small": (512, 128, 4, 4, 2, 32, 352),  # 0.93M parameters
-    "base": (2048, 256, 4, 8, 4, 32, 704),  # 4.2M parameters
-}
+# `--preset` names -> `sparserl_jax.models.MODEL_PRESETS` names.
+PRESETS = {"tiny": "loco-tiny", "small": "loco-small", "base": "loco-base"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -137,14 +135,7 @@ class LoCoBenchConfig:
 
 def build_model(preset: str, seed: int, dtype: str = "float32"):
     """The preset transformer (fp32 master weights, `dtype` compute) as `(graphdef, params)`."""
-    from sparserl_jax.models import ModelConfig, Transformer
-
-    v, d, layers, n, k, h, f = PRESETS[preset]
-    mcfg = ModelConfig(
-        vocab_size=v, hidden_size=d, num_layers=layers, num_heads=n, num_kv_heads=k,
-        head_dim=h, intermediate_size=f, tie_embeddings=False,
-        param_dtype="float32", dtype=dtype,
-    )  # fmt: skip
+    mcfg = model_preset(PRESETS[preset], param_dtype="float32", dtype=dtype)
     graphdef, state = nnx.split(Transformer(mcfg, rngs=nnx.Rngs(seed)))
     return graphdef, nnx.to_pure_dict(state)
 
@@ -157,30 +148,6 @@ def next_token_loss(graphdef):
         return optax.softmax_cross_entropy_with_integer_labels(logits_btv, tokens_bt[:, 1:]).mean()
 
     return loss
-
-
-def chain(vocab: int, seed: int) -> np.ndarray:
-    """`[V, 4]` successors: each token is followed by one of 4 fixed tokens, uniformly."""
-    return np.random.default_rng(seed).integers(0, vocab, (vocab, 4))
-
-
-def shifted(succ: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """A copy of `succ` with `fraction` of its rows given fresh successors."""
-    rng = np.random.default_rng(seed)
-    out = succ.copy()
-    rows = rng.random(succ.shape[0]) < fraction
-    out[rows] = rng.integers(0, succ.shape[0], (int(rows.sum()), succ.shape[1]))
-    return out
-
-
-def sample(succ: np.ndarray, shape: tuple[int, ...], length: int, seed: int) -> np.ndarray:
-    """int32 token sequences `[*shape, length]` walked from random start tokens."""
-    rng = np.random.default_rng(seed)
-    tok = np.empty((*shape, length), np.int32)
-    tok[..., 0] = rng.integers(0, succ.shape[0], shape)
-    for t in range(1, length):
-        tok[..., t] = succ[tok[..., t - 1], rng.integers(0, succ.shape[1], shape)]
-    return tok
 
 
 def grpo_loss(graphdef, clip_eps: float):
@@ -284,13 +251,14 @@ def shift_problem(loss_fn, succ, cfg: LoCoBenchConfig):
     return data, lambda p, final=False: {"loss": float(eval_fn(p))}
 
 
-def _adamw(lr: float, weight_decay: float) -> optax.GradientTransformation:
+def adamw(lr: float, weight_decay: float) -> optax.GradientTransformation:
+    """The inner optimizer of every method (and of pretraining)."""
     return optax.adamw(lr, b1=0.9, b2=0.95, weight_decay=weight_decay)
 
 
 def pretrain(loss_fn, params, succ, cfg: LoCoBenchConfig, log=None):
     """The shared starting point: `pretrain_steps` AdamW steps on the original chain."""
-    tx = _adamw(cfg.pretrain_lr, cfg.weight_decay)
+    tx = adamw(cfg.pretrain_lr, cfg.weight_decay)
 
     @jax.jit
     def step(p, o, tokens_bt):
@@ -306,7 +274,7 @@ def pretrain(loss_fn, params, succ, cfg: LoCoBenchConfig, log=None):
     return params
 
 
-def _at(data, *index):
+def at(data, *index):
     """`data[index]` on every leaf of a batch pytree."""
     return jax.tree.map(lambda x: x[index], data)
 
@@ -327,7 +295,7 @@ def _finish(evals: list[dict]) -> dict:
 
 def run_ddp(loss_fn, params, data, evaluate, cfg: LoCoBenchConfig, log=None) -> dict:
     """DDP on `data[k, h, r]`: one AdamW step per (k, h) on the replica-mean gradient."""
-    tx = _adamw(cfg.lr, cfg.weight_decay)
+    tx = adamw(cfg.lr, cfg.weight_decay)
     grads_r = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0))
 
     @jax.jit
@@ -339,7 +307,7 @@ def run_ddp(loss_fn, params, data, evaluate, cfg: LoCoBenchConfig, log=None) -> 
     opt, evals = tx.init(params), []
     for k in range(cfg.rounds):
         for h in range(cfg.inner_steps):
-            params, opt, _ = step(params, opt, jax.tree.map(jnp.asarray, _at(data, k, h)))
+            params, opt, _ = step(params, opt, jax.tree.map(jnp.asarray, at(data, k, h)))
         evals.append(evaluate(params, final=k == cfg.rounds - 1))
         if log is not None:
             log(f"ddp round {k + 1}: eval {evals[-1]}")
@@ -360,11 +328,11 @@ def run_loco(method: str, loss_fn, params, data, evaluate, cfg: LoCoBenchConfig,
             f"set XLA_FLAGS=--xla_force_host_platform_device_count={cfg.replicas}"
         )
     mesh = replica_mesh(cfg.replicas, jax.devices()[: cfg.replicas])
-    trainer = LoCoTrainer(loss_fn, params, _adamw(cfg.lr, cfg.weight_decay), lcfg, mesh=mesh)
+    trainer = LoCoTrainer(loss_fn, params, adamw(cfg.lr, cfg.weight_decay), lcfg, mesh=mesh)
     start = np.asarray(trainer.global_params_flat()).copy()
     evals, rounds = [], []
     for k in range(cfg.rounds):
-        stats = trainer.round({r: _at(data, k, slice(None), r) for r in trainer.local})
+        stats = trainer.round({r: at(data, k, slice(None), r) for r in trainer.local})
         evals.append(evaluate(trainer.global_params(), final=k == cfg.rounds - 1))
         density = sum(stats.counts) / (trainer.num_params * cfg.replicas)
         rounds.append({"sent_bytes": stats.sent_bytes, "padded_bytes": stats.padded_bytes,
@@ -390,11 +358,11 @@ def run_loco(method: str, loss_fn, params, data, evaluate, cfg: LoCoBenchConfig,
     )
 
 
-def run(cfg: LoCoBenchConfig, log=None) -> dict:
-    """Pretrain once, then DDP, DiLoCo and PULSELoCo on the same data; the JSON-ready summary."""
-    t0 = time.perf_counter()
+def prepare(cfg: LoCoBenchConfig, log=None):
+    """The shared start and the task: `(loss_fn, pretrained params, data, evaluate)`, where
+    `data` holds the batch of replica r at round k, inner step h at `at(data, k, h, r)`."""
     graphdef, params = build_model(cfg.preset, cfg.seed, cfg.dtype)
-    base = chain(PRESETS[cfg.preset][0], cfg.seed + 1)
+    base = chain(model_preset(PRESETS[cfg.preset]).vocab_size, cfg.seed + 1)
     params = pretrain(next_token_loss(graphdef), params, base, cfg, log)
     if cfg.task == "rl":
         loss_fn = grpo_loss(graphdef, cfg.clip_eps)
@@ -402,6 +370,13 @@ def run(cfg: LoCoBenchConfig, log=None) -> dict:
     else:
         loss_fn = next_token_loss(graphdef)
         data, evaluate = shift_problem(loss_fn, base, cfg)
+    return loss_fn, params, data, evaluate
+
+
+def run(cfg: LoCoBenchConfig, log=None) -> dict:
+    """Pretrain once, then DDP, DiLoCo and PULSELoCo on the same data; the JSON-ready summary."""
+    t0 = time.perf_counter()
+    loss_fn, params, data, evaluate = prepare(cfg, log)
     start = evaluate(params, final=True)
     if log is not None:
         log(f"pretrained and data ready in {time.perf_counter() - t0:.0f} s; start eval {start}")

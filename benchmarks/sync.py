@@ -21,16 +21,15 @@ import numpy as np
 import optax
 from flax import nnx
 
+from benchmarks.bigram import stream
+from sparserl_jax.models import Transformer, model_preset
 from sparserl_jax.sync.codec import CodecConfig
 from sparserl_jax.sync.publisher import Publisher, SyncConfig
 from sparserl_jax.sync.receiver import Receiver
 from sparserl_jax.sync.transport import InProcessTransport
 
-PRESETS = {
-    # name: (vocab V, width D, layers, heads N, kv heads K, head dim H, MLP width F)
-    "tiny": (512, 64, 2, 4, 2, 16, 128),
-    "cpu": (8192, 512, 8, 8, 4, 64, 1408),  # 31.99M parameters
-}
+# `--preset` names -> `sparserl_jax.models.MODEL_PRESETS` names.
+PRESETS = {"tiny": "sync-tiny", "cpu": "sync-cpu"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,27 +57,8 @@ class BenchConfig:
 
 
 def _model(cfg: BenchConfig):
-    from sparserl_jax.models import ModelConfig, Transformer
-
-    v, d, layers, n, k, h, f = PRESETS[cfg.preset]
-    mcfg = ModelConfig(
-        vocab_size=v, hidden_size=d, num_layers=layers, num_heads=n, num_kv_heads=k,
-        head_dim=h, intermediate_size=f, tie_embeddings=False,
-        param_dtype="float32", dtype="float32",
-    )  # fmt: skip
-    return Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), v
-
-
-def _bigram_batches(vocab: int, cfg: BenchConfig):
-    """Sequences from a fixed random chain where each token has 4 likely successors."""
-    rng = np.random.default_rng(cfg.seed + 1)
-    succ = rng.integers(0, vocab, (vocab, 4))
-    while True:
-        tok = np.empty((cfg.batch, cfg.seq_len), np.int32)
-        tok[:, 0] = rng.integers(0, vocab, cfg.batch)
-        for t in range(1, cfg.seq_len):
-            tok[:, t] = succ[tok[:, t - 1], rng.integers(0, 4, cfg.batch)]
-        yield jnp.asarray(tok)
+    mcfg = model_preset(PRESETS[cfg.preset], param_dtype="float32", dtype="float32")
+    return Transformer(mcfg, rngs=nnx.Rngs(cfg.seed)), mcfg.vocab_size
 
 
 def _zstd_size(bits_tree, level: int) -> int:
@@ -122,7 +102,7 @@ def run(cfg: BenchConfig, log=None) -> dict:
     first = pub.publish(nnx.to_pure_dict(params))
     master_per_published = sum(x.nbytes for x in jax.tree.leaves(params)) / first.dense_bytes
     rc.sync(transport)
-    batches = _bigram_batches(vocab, cfg)
+    batches = map(jnp.asarray, stream(vocab, cfg.batch, cfg.seq_len, cfg.seed + 1))
     steps, enc_s, enc_cpu_s, app_s, scanned = [], 0.0, 0.0, 0.0, 0
     for step in range(cfg.steps):
         params, opt_state, loss = train_step(params, opt_state, next(batches))

@@ -1,9 +1,10 @@
-"""A plain greedy decode loop over `model.decode` on any cache, compressing between steps.
+"""The reference decode loop: static greedy generation over `model.decode` on any cache.
 
-This is the measuring loop of `tools/bench_rollout.py` and of the long-generation test; the
-rollout engine (sampling, stop tokens, continuous batching) lives in `sparserl_jax.rollout`.
-Each jitted chunk runs `chunk` decode steps in a `lax.scan`: one token per row per step, then
-`compress` (a no-op unless the step counter is on the interval and a row is above budget).
+The oracle of the rollout engine's sparse tests and of the long-generation test, and the loop of
+`benchmarks.kv_memory`; the rollout engine (sampling, stop tokens, continuous batching) lives in
+`sparserl_jax.rollout`. Each jitted chunk runs `chunk` decode steps in a `lax.scan`: one token
+per row per step, then `compress` (a no-op unless the step counter is on the interval and a row
+is above budget).
 """
 
 from __future__ import annotations
@@ -90,62 +91,3 @@ def greedy_generate(
         final_lengths=[int(x) for x in cache.lengths_b],
     )
     return jnp.concatenate(out, axis=1)[:, :gen_len], cache, stats
-
-
-def memory_benchmark(
-    model: nnx.Module,
-    config: CompressionConfig,
-    *,
-    batch: int,
-    gen_len: int,
-    prompt_len: int = 16,
-    page_size: int = 16,
-    seed: int = 0,
-    impl: str = "auto",
-) -> dict:
-    """Peak KV bytes in use for a dense (uncompressed, paged) run and a `config` run.
-
-    Both runs share the model, the prompt and the page size; bytes are the peak of pages in use
-    times the bytes per page (all layers, K and V, plus H2O's mass when tracked), not the pool's
-    capacity. Returns `{"dense": {...}, "sparse": {...}, "ratio": sparse / dense}`.
-    """
-    from sparserl_jax.kvcache.builder import paged_cache_for
-
-    cfg = model.cfg
-    prompt = jax.random.randint(jax.random.key(seed), (batch, prompt_len), 0, cfg.vocab_size)
-    max_len = prompt_len + gen_len
-    results = {}
-    runs = [
-        (
-            "dense",
-            CompressionConfig(
-                policy="none", budget=config.budget, window=config.window, interval=config.interval
-            ),
-        )
-    ]
-    runs.append(("sparse", config))
-    for name, run_cfg in runs:
-        cache = paged_cache_for(
-            cfg,
-            run_cfg,
-            batch=batch,
-            max_len=max_len,
-            prompt_len=prompt_len,
-            page_size=page_size,
-            impl=impl,
-        )
-        _, cache, stats = greedy_generate(model, cache, prompt, gen_len=gen_len, config=run_cfg)
-        aux = 0 if cache.q_window is None else cache.q_window.size * cache.q_window.dtype.itemsize
-        results[name] = {
-            "policy": run_cfg.policy,
-            "kv_peak_bytes": stats.kv_peak_bytes,
-            "peak_pages": stats.peak_pages,
-            "page_bytes": stats.page_bytes,
-            "pool_pages": stats.pool_pages,
-            "tokens_evicted": stats.tokens_evicted,
-            "final_lengths": stats.final_lengths,
-            "query_window_bytes": aux,
-        }
-    results["ratio"] = results["sparse"]["kv_peak_bytes"] / results["dense"]["kv_peak_bytes"]
-    results["target_ratio"] = (config.budget + config.interval + page_size) / (prompt_len + gen_len)
-    return results

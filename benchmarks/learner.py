@@ -1,4 +1,8 @@
-"""Learner-step throughput on a synthetic rollout batch (used by `tools/bench_learner.py`)."""
+"""Learner-step throughput on a synthetic rollout batch (used by `tools/bench_learner.py`).
+
+The model is a random-init one with a preset's architecture (no weights are read): a
+`--preset` name of the tool, a `sparserl_jax.models.MODEL_PRESETS` name, or a `configs/` name.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,29 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from sparserl_jax.models import MODEL_PRESETS, ModelConfig, model_preset
 from sparserl_jax.rl.advantages import grpo_advantages
 from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rl.learner import Learner, RLBatch
+
+# `--preset` names -> `sparserl_jax.models.MODEL_PRESETS` names ("tiny" is configs/tiny.yaml's).
+PRESETS = {"tiny": "char-tiny", "small": "learner-small", "qwen2.5-0.5b": "qwen2.5-0.5b"}
+
+
+def model_config(preset: str, dtype: str, remat: bool) -> ModelConfig:
+    """`preset`'s architecture computing in `dtype` over fp32 master weights.
+
+    `preset` is a key of `PRESETS`, a registry name, or else a YAML config in `configs/` whose
+    `model` section names an architecture (e.g. "demo" -> configs/demo.yaml).
+    """
+    name = PRESETS.get(preset, preset)
+    if name in MODEL_PRESETS:
+        arch = model_preset(name)
+    else:
+        from sparserl_jax.config import load_config  # only YAML presets need the config system
+
+        arch = load_config(f"configs/{preset}.yaml").model.model_config()
+    return arch.replace(dtype=dtype, param_dtype="float32", remat=remat)
 
 
 def synthetic_batch(

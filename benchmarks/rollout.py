@@ -19,40 +19,32 @@ import numpy as np
 from flax import nnx
 
 from sparserl_jax.kvcache import CompressionConfig
-from sparserl_jax.models import ModelConfig, Transformer
+from sparserl_jax.models import ModelConfig, Transformer, model_preset
 from sparserl_jax.rollout.config import RolloutConfig
 from sparserl_jax.rollout.engine import RolloutEngine
 
-# Qwen2-shaped random models: "cpu" is the default CPU benchmark model (issue 4), "tiny" the
-# KV-cache memory benchmark's model (issue 3), the others the shapes of published checkpoints.
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": dict(
-        vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-        intermediate_size=128,
-    ),
-    "cpu": dict(
-        vocab_size=4096, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=2,
-        intermediate_size=1024,
-    ),
-    "qwen2.5-0.5b": dict(
-        vocab_size=151936, hidden_size=896, num_layers=24, num_heads=14, num_kv_heads=2,
-        intermediate_size=4864, tie_embeddings=True,
-    ),
-    "qwen2.5-1.5b": dict(
-        vocab_size=151936, hidden_size=1536, num_layers=28, num_heads=12, num_kv_heads=2,
-        intermediate_size=8960, tie_embeddings=True,
-    ),
-}  # fmt: skip
+# `--preset` names -> `sparserl_jax.models.MODEL_PRESETS` names, all Qwen2-shaped (QKV bias,
+# RoPE theta 1e6): "cpu" is the default CPU benchmark model (issue 4), "tiny" the KV-cache memory
+# benchmark's model (issue 3), the others the shapes of published checkpoints.
+PRESETS = {
+    "tiny": "rollout-tiny",
+    "cpu": "rollout-cpu",
+    "qwen2.5-0.5b": "qwen2.5-0.5b",
+    "qwen2.5-1.5b": "qwen2.5-1.5b",
+}
 
 
 def bench_model_config(preset: str = "cpu", **overrides) -> ModelConfig:
-    """A Qwen2-family config (QKV bias, RoPE theta 1e6) from a preset, with overrides."""
+    """The preset's Qwen2-family config with the overrides that are not None.
+
+    Overriding `hidden_size` or `num_heads` re-derives `head_dim` as D // N (unless given).
+    """
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {sorted(PRESETS)}")
-    base = dict(rope_theta=1_000_000.0, qkv_bias=True, family="qwen2", rms_norm_eps=1e-6)
-    base.update(PRESETS[preset])
-    base.update({k: v for k, v in overrides.items() if v is not None})
-    return ModelConfig(**base)
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    if changes.keys() & {"hidden_size", "num_heads"}:
+        changes.setdefault("head_dim", None)
+    return model_preset(PRESETS[preset], **changes)
 
 
 def random_prompts(vocab: int, batch: int, prompt_len: int, seed: int) -> list[list[int]]:

@@ -1,0 +1,13 @@
+"""Benchmark harnesses behind `tools/bench_*.py`; not part of the library.
+
+- `loco`: DDP vs DiLoCo vs PULSELoCo from one pretrained start (`tools/bench_loco.py`);
+  `loco_density`: where PULSELoCo's gate fires (`tools/loco_density.py`).
+- `sync`: PULSESync patch sizes and speed over real AdamW steps (`tools/bench_sync.py`).
+- `rollout`: rollout speed and KV memory, dense vs sparse vs tunix (`tools/bench_rollout.py`).
+- `learner`: learner-step throughput on a synthetic GRPO batch (`tools/bench_learner.py`).
+- `kv_memory`: peak KV bytes of a dense and a compressed greedy generation.
+- `bigram`: the synthetic data they train on, walks of a fixed random sparse bigram chain.
+
+Architectures come from `sparserl_jax.models.MODEL_PRESETS`; each harness maps the `--preset`
+names of its tool to registry names.
+"""

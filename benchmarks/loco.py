@@ -51,6 +51,9 @@ from sparserl_jax.rollout.logprobs import dense_logprobs
 from sparserl_jax.sync import loco
 from sparserl_jax.sync.loco_runtime import LoCoTrainer, replica_mesh
 
+# The static sampler: its key derivation is what every recorded figure of this bench used.
+from sparserl_jax.testing.reference_sampler import generate
+
 TASKS = ("rl", "shift")
 
 # `--preset` names -> `sparserl_jax.models.MODEL_PRESETS` names.
@@ -175,8 +178,6 @@ def rollouts(graphdef, params, succ, prompts: int, cfg: LoCoBenchConfig, seed: i
     Returns `tokens [prompts*G, prompt_len + seq_len]` (a group's rows are contiguous) and each
     completion's count of target tokens (ids divisible by `target_mod`).
     """
-    from sparserl_jax.rollout.generate import generate
-
     rows = np.repeat(sample(succ, (prompts,), cfg.prompt_len, seed), cfg.group_size, axis=0)
     gen = generate(
         nnx.merge(graphdef, params), rows.tolist(), max_new_tokens=cfg.seq_len,

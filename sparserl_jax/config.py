@@ -30,6 +30,7 @@ from sparserl_jax.data.config import DataConfig
 from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.models.config import ModelConfig
 from sparserl_jax.models.hf import config_from_hf
+from sparserl_jax.models.presets import model_preset
 from sparserl_jax.parallel.sharding import MeshConfig
 from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rollout.config import RolloutConfig
@@ -76,8 +77,6 @@ class ModelSpec:
     seed: int = 0
 
     def __post_init__(self):
-        from sparserl_jax.models.presets import model_preset
-
         if (self.hf_dir is None) == (self.arch is None and self.preset is None):
             raise ConfigError(
                 "model: set exactly one of model.hf_dir and model.arch/model.preset (a preset's "

@@ -1,4 +1,4 @@
-"""The reference sampler (a test oracle): greedy == argmax of the dense forward; the logprob contract."""
+"""The reference sampler, a test oracle: greedy is the argmax of the dense forward; logprobs."""
 
 import jax
 import jax.numpy as jnp

@@ -7,3 +7,19 @@ from sparserl_jax.models.hf import CheckpointError, config_from_hf, from_hf, to_
 from sparserl_jax.models.presets import MODEL_PRESETS, model_preset
 from sparserl_jax.models.tokenizer import CharTokenizer, HFTokenizer
 from sparserl_jax.models.transformer import Transformer
+
+__all__ = [
+    "CharTokenizer",
+    "CheckpointError",
+    "DecodeCache",
+    "DenseKVCache",
+    "HFTokenizer",
+    "MODEL_PRESETS",
+    "ModelConfig",
+    "RopeScaling",
+    "Transformer",
+    "config_from_hf",
+    "from_hf",
+    "model_preset",
+    "to_hf",
+]

@@ -38,7 +38,6 @@ from sparserl_jax.rl.learner import (
     Learner,
     LearnerState,
     RLBatch,
-    batch_logprobs,
     train_step,
 )
 from sparserl_jax.rl.losses import (

@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 from sparserl_jax.models import hf as hf_io  # noqa: E402
 from sparserl_jax.models.hf import CheckpointError, from_hf, to_hf  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 # Prime-ish sizes so a transposed or mis-split tensor cannot line up by accident.
 BASE = dict(
     vocab_size=61,

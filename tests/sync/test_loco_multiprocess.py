@@ -18,10 +18,13 @@ import time
 
 import jax
 import optax
+import pytest
 
 from sparserl_jax.sync import loco
 from sparserl_jax.sync.loco_bench import build_model, chain, next_token_loss, sample
 from sparserl_jax.sync.loco_runtime import LoCoTrainer, init_cpu_distributed, replica_mesh
+
+pytestmark = pytest.mark.slow
 
 H, R, ROUNDS, BATCH, LENGTH, LR = 3, 2, 3, 4, 9, 1e-4
 PAYLOADS = ("index", "bitmask")

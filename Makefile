@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo venv lint format clean
+.PHONY: test test-fast demo venv lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ venv: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -n 2 -q -p no:cacheprovider tests
+
+# Everything but the tests marked slow (subprocess and multi-process runs, benchmarks, HF parity,
+# the heaviest compiles): the quick lane while iterating. `make test` still runs them all.
+test-fast: $(STAMP)
+	$(PY) -m pytest -n 2 -q -p no:cacheprovider -m "not slow" tests
 
 demo: $(STAMP)
 	rm -rf runs/demo
@@ -37,4 +42,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .jax_cache build *.egg-info

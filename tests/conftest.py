@@ -1,6 +1,9 @@
-"""Test set-up: 8 fake CPU devices, strict rank promotion, fp32 matmuls.
+"""Test set-up: 8 fake CPU devices, strict rank promotion, fp32 matmuls, and JAX's persistent
+compilation cache in `.jax_cache/` (gitignored).
 
-XLA_FLAGS must be set before JAX initialises its backends, so this runs at import time.
+XLA_FLAGS and the cache settings must be set before JAX initialises (it reads `JAX_*` variables
+at import), so this runs at import time; as environment variables they also reach the child
+processes that tests spawn (`sparserl` runs, multi-process and benchmark children).
 """
 
 import os
@@ -12,6 +15,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# A cached executable is the one XLA compiled for the same HLO, flags and devices: results are
+# unchanged, and later runs (and children that compile what their parent did) skip XLA.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"),
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 

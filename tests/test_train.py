@@ -60,6 +60,7 @@ def test_step_seeds_are_a_function_of_seed_and_step():
     assert step_seeds(0, 3, 4) != step_seeds(1, 3, 4)
 
 
+@pytest.mark.slow
 def test_split_topology_end_to_end_and_sigterm(tmp_path):
     """Trainer on 4 fake devices, sampler on the other 4: every step's patch is applied onto
     the sampler mesh and verified; metrics and checkpoints are written. A SIGTERM during step 2
@@ -114,6 +115,7 @@ def _final_state(run_dir, step):
     return state, meta
 
 
+@pytest.mark.slow
 def test_kill9_then_resume_is_bit_identical(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
     common = ["train.steps=8", "train.save_every=2", "train.eval_examples=0", "sft.steps=2"]

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from sparserl_jax.parallel import batch_sharding, state_shardings
 from sparserl_jax.rl.config import LearnerConfig, LossConfig
 from sparserl_jax.rl.correction import sparse_rl_weights
 from sparserl_jax.rl.gating import (
@@ -39,6 +40,7 @@ from sparserl_jax.rl.gating import (
     lm_head_grad_energy,
 )
 from sparserl_jax.rl.losses import (
+    LOG_RATIO_BOUND,
     aggregation_weights,
     entropy_from_logits,
     kl_penalty,
@@ -46,6 +48,7 @@ from sparserl_jax.rl.losses import (
     ppo_clip_loss,
     shifted_token_logprobs,
 )
+from sparserl_jax.rollout.logprobs import split_micro_batches, teacher_forced_logprobs
 
 
 class RLBatch(NamedTuple):
@@ -73,12 +76,6 @@ class LearnerState(NamedTuple):
 
 def _with_embedding(params: dict, embedding_vd: jax.Array) -> dict:
     return {**params, "embed": {**params["embed"], "embedding": embedding_vd}}
-
-
-def _split_micro(x: jax.Array, m: int) -> jax.Array:
-    # [B, ...] -> [M, B/M, ...] with micro-batch j = rows j, j + M, ...: a shard holding a
-    # contiguous block of rows keeps an equal share of every micro-batch, so no data moves.
-    return jnp.swapaxes(x.reshape(x.shape[0] // m, m, *x.shape[1:]), 0, 1)
 
 
 def _forward_logits(graphdef, params, head_w, tokens_bt, tied):
@@ -114,7 +111,7 @@ def _micro_loss(params, head_w, mb: dict, *, graphdef, loss_cfg: LossConfig, tie
         kl = jnp.sum(tok_w * kl_bt)
     if loss_cfg.entropy_coef > 0:
         loss = loss - loss_cfg.entropy_coef * jnp.sum(mb["reg_coef"] * ent_bt)
-    ratio_bt = jnp.exp(jnp.clip(logp_bt - old_bt, -20.0, 20.0))
+    ratio_bt = jnp.exp(jnp.clip(logp_bt - old_bt, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     clip_bt = ppo_clip_fraction(
         logp_bt, old_bt, mb["adv"], eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high
     )
@@ -167,7 +164,7 @@ def train_step(
     }
     if batch.ref_logp_bt is not None:
         per_token["ref_logp"] = batch.ref_logp_bt.astype(jnp.float32)
-    micro = jax.tree.map(lambda x: _split_micro(x, m), per_token)
+    micro = jax.tree.map(lambda x: split_micro_batches(x, m), per_token)
     if micro_sharding is not None:
         micro = jax.tree.map(
             lambda x: jax.lax.with_sharding_constraint(
@@ -261,20 +258,6 @@ def train_step(
     return new_state, metrics
 
 
-def batch_logprobs(
-    params, tokens_bt: Int[Array, "B T"], *, graphdef, temperature: float, num_micro_batches: int
-) -> Float[Array, "B T"]:
-    """Teacher-forced `log softmax(logits / T)` of every token (pi_old or pi_ref), aligned with
-    `tokens_bt`, computed micro-batch by micro-batch to bound the `[B, T, V]` logits."""
-    model = nnx.merge(graphdef, params)
-    micro = _split_micro(tokens_bt, num_micro_batches)
-    logp = jax.lax.map(
-        lambda t: shifted_token_logprobs(model(t), t, temperature=temperature), micro
-    )
-    b = tokens_bt.shape[0]
-    return jnp.swapaxes(logp, 0, 1).reshape(b, tokens_bt.shape[1])
-
-
 class Learner:
     """Holds what is static about the learner (graph, config, optimizer, shardings) and the
     jitted step; all state lives in `LearnerState`.
@@ -312,8 +295,6 @@ class Learner:
             self.param_shardings = self.state_shardings = self._batch_sharding = None
             self._rep = None
         else:
-            from sparserl_jax.parallel import batch_sharding, state_shardings
-
             self._rep = NamedSharding(mesh, PartitionSpec())
             self._batch_sharding = batch_sharding
             self.param_shardings = nnx.to_pure_dict(state_shardings(param_state, mesh))
@@ -331,11 +312,14 @@ class Learner:
             self.state_shardings = LearnerState(
                 self.param_shardings, opt_shardings, gate_shardings, rep, rep, rep
             )
-        lcfg = config.loss
-        logprobs = functools.partial(
-            batch_logprobs, graphdef=self.graphdef, temperature=lcfg.temperature
+        self._logprobs = jax.jit(
+            functools.partial(
+                teacher_forced_logprobs,
+                self.graphdef,
+                temperature=config.loss.temperature,
+                num_micro_batches=config.num_micro_batches,
+            )
         )
-        self._logprobs = jax.jit(logprobs, static_argnames="num_micro_batches")
 
     # -- state -----------------------------------------------------------------------------
 
@@ -365,10 +349,12 @@ class Learner:
 
     def logprobs(self, params, tokens_bt: Int[Array, "B T"]) -> Float[Array, "B T"]:
         """Teacher-forced logprobs under `params` (pi_old before the first update on a batch;
-        the same function on reference weights gives pi_ref)."""
+        the same function on reference weights gives pi_ref): `teacher_forced_logprobs` (the
+        one recompute, shared with `rollout.dense_logprobs`) at the loss temperature, over the
+        learner's micro-batches, on the batch sharding when there is a mesh."""
         self._check_batch_size(tokens_bt.shape[0])
         tokens_bt = self._shard_batch(jnp.asarray(tokens_bt, jnp.int32))
-        return self._logprobs(params, tokens_bt, num_micro_batches=self.config.num_micro_batches)
+        return self._logprobs(params, tokens_bt)
 
     def _check_batch_size(self, b: int) -> None:
         m = self.config.num_micro_batches

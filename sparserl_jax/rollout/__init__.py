@@ -3,7 +3,7 @@ sampling with the logprob contract, dense old-policy logprobs."""
 
 from sparserl_jax.rollout.config import RolloutConfig, RolloutResult
 from sparserl_jax.rollout.engine import RolloutEngine
-from sparserl_jax.rollout.logprobs import dense_logprobs
+from sparserl_jax.rollout.logprobs import dense_logprobs, teacher_forced_logprobs
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys, token_logprobs
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "request_keys",
     "sample",
     "step_keys",
+    "teacher_forced_logprobs",
     "token_logprobs",
 ]

@@ -46,6 +46,7 @@ def _run(impl, policy):
     return outs, cache, compressed
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["snapkv", "h2o"])
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_cache_on_kernels_matches_xla(impl, policy):

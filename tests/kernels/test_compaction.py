@@ -8,11 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from kernel_inputs import PAGE_TABLE, K, pools
 
 from pallas_kernels import compact_pages
 from pallas_kernels.compaction import kernel_gpu, kernel_tpu
 from pallas_kernels.compaction.reference import compact_pages_reference
+from sparserl_jax.testing.kernels import PAGE_TABLE, K, pools
 
 # Row 0 (11 tokens) keeps 6 per head, row 1 (5 tokens) keeps 3, row 2 keeps nothing.
 KEEP = jnp.array(

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from kernel_inputs import LENGTHS, PAGE_TABLE, TOL, H, N, pools, queries
 
 from pallas_kernels import paged_decode_attention, resolve_impl
 from pallas_kernels.paged_attention import kernel_gpu, kernel_tpu
@@ -15,6 +14,7 @@ from pallas_kernels.paged_attention.reference import (
     paged_decode_attention_reference,
     probs_from_logits,
 )
+from sparserl_jax.testing.kernels import LENGTHS, PAGE_TABLE, TOL, H, N, pools, queries
 
 
 def _run(backend, q, k, v, return_logits):

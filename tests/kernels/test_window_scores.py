@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from kernel_inputs import LENGTHS, PAGE_TABLE, TOL, H, N, W, pools, queries
 
 from pallas_kernels import window_scores
 from pallas_kernels.window_scores import kernel_gpu, kernel_tpu
 from pallas_kernels.window_scores.reference import window_scores_reference
+from sparserl_jax.testing.kernels import LENGTHS, PAGE_TABLE, TOL, H, N, W, pools, queries
 
 # Row 0 has a full window, row 1 only 2 real queries (a short row), row 2 is empty.
 NUM_QUERIES = jnp.array([3, 2, 0], jnp.int32)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,6 +77,7 @@ op = st.one_of(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(ops=st.lists(op, min_size=1, max_size=10), granularity=st.sampled_from(["head", "sequence"]))
 def test_allocator_and_compaction_invariants(ops, granularity):

@@ -28,7 +28,10 @@ def model():
     return Transformer(TINY, rngs=nnx.Rngs(3))
 
 
-@pytest.mark.parametrize("policy", ["streaming", "snapkv", "h2o", "rkv"])
+@pytest.mark.parametrize(
+    "policy",
+    ["streaming", "snapkv", *(pytest.param(p, marks=pytest.mark.slow) for p in ("h2o", "rkv"))],
+)
 def test_generation_of_8x_budget_fits_small_pool(model, policy):
     config = CompressionConfig(policy=policy, budget=BUDGET, window=4, interval=INTERVAL)
     gen = 8 * BUDGET

@@ -35,7 +35,8 @@ def _decode_all(model, cache, tokens_bt, prompt_len):
 
 
 @pytest.mark.parametrize(
-    ("policy", "page_size", "prompt_len"), [("none", 4, 5), ("rkv", 3, 1), ("h2o", 5, 7)]
+    ("policy", "page_size", "prompt_len"),
+    [pytest.param("none", 4, 5, marks=pytest.mark.slow), ("rkv", 3, 1), ("h2o", 5, 7)],
 )
 def test_paged_decode_matches_teacher_forcing(model, policy, page_size, prompt_len):
     b, t = 2, 13

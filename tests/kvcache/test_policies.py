@@ -73,6 +73,7 @@ def _check_compressed(cache, config, expected, layer=0, head=0):
     return out
 
 
+@pytest.mark.slow
 def test_streaming_keeps_sinks_and_recent():
     k, q = _keys_from_scalars(np.linspace(0, 1, LENGTH))
     cache = _fill(k, q, window=0, track=False)
@@ -83,6 +84,7 @@ def test_streaming_keeps_sinks_and_recent():
 A_SNAP = [0.1, 3.0, 0.2, 0.5, 0.3, 2.0, 0.4, 0.0, 0.0, 0.0]
 
 
+@pytest.mark.slow
 def test_snapkv_keeps_most_attended():
     # Both window queries are [1, 0]: importance ranks candidates by a_j. Top 4: 1, 5, 3, 6.
     k, q = _keys_from_scalars(A_SNAP)
@@ -91,6 +93,7 @@ def test_snapkv_keeps_most_attended():
     _check_compressed(cache, config, [1, 3, 5, 6, 8, 9])
 
 
+@pytest.mark.slow
 def test_snapkv_max_pool():
     # Kernel 3 over candidates 0..7: pooled = [3, 3, 3, .5, 2, 2, 2, .4]; ties go to the
     # earlier token, so 0, 1, 2 and then 4.
@@ -100,6 +103,7 @@ def test_snapkv_max_pool():
     _check_compressed(cache, config, [0, 1, 2, 4, 8, 9])
 
 
+@pytest.mark.slow
 def test_h2o_keeps_heavy_hitters():
     # Queries [20, 0]; keys [1, 0] at 2 and 5, zero elsewhere. Accumulated mass (to ~1e-8):
     # token 0: 1 + 1/2, token 1: 1/2, token 2: 3 (t = 2..4) + 5/2 (t = 5..9), token 5: 5/2,
@@ -131,6 +135,7 @@ def _rkv_cache():
     return _fill(k, q, window=2, track=False)
 
 
+@pytest.mark.slow
 def test_rkv_redundancy_only():
     # λ = 0: keep the 4 least redundant. Column sums of the cosine matrix over candidates 0..7
     # (diagonal zeroed; each row's last partner with cos > 0.5 zeroed, e.g. row 7's partner 4):
@@ -145,6 +150,7 @@ def test_rkv_redundancy_only():
     _check_compressed(_rkv_cache(), config, [3, 4, 5, 6, 8, 9])
 
 
+@pytest.mark.slow
 def test_rkv_importance_only():
     # λ = 1 is SnapKV: window queries [1, 0] rank candidates by their first key coordinate,
     # 1 for 0, 1, 2 (ties: earliest first), then R for 7. Kernel 1 (no pooling).
@@ -152,6 +158,7 @@ def test_rkv_importance_only():
     _check_compressed(_rkv_cache(), config, [0, 1, 2, 7, 8, 9])
 
 
+@pytest.mark.slow
 def test_rkv_score_matches_numpy():
     """The mixed score equals a loop-by-loop numpy evaluation of the R-KV formula."""
     cache = _rkv_cache()
@@ -178,6 +185,7 @@ def test_rkv_score_matches_numpy():
     np.testing.assert_allclose(got, lam * pooled - (1 - lam) * red, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("granularity", ["head", "layer", "sequence"])
 def test_granularity(granularity):
     """Per head: each KV head keeps its own best; per layer / sequence: the summed score."""

@@ -14,6 +14,8 @@ from sparserl_jax.models import hf as hf_io  # noqa: E402
 from sparserl_jax.models import model_preset  # noqa: E402
 from sparserl_jax.models.hf import CheckpointError, from_hf, to_hf  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 # Prime-ish sizes so a transposed or mis-split tensor cannot line up by accident. Only these keys
 # are given: each case's config class supplies the rest (Qwen3's default head_dim included).
 ARCH = model_preset("hf-parity-tiny")

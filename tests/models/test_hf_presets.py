@@ -13,6 +13,8 @@ transformers = pytest.importorskip("transformers")
 from sparserl_jax.cli import main  # noqa: E402
 from sparserl_jax.models import HFTokenizer, from_hf  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 SHRINK = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=300)
 
 PUBLISHED = {

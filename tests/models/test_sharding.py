@@ -18,6 +18,7 @@ from sparserl_jax.parallel import (
 from sparserl_jax.testing import tiny_model_config
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mesh_cfg",
     [MeshConfig(data=1, fsdp=4, tensor=2), MeshConfig(data=2, fsdp=2, tensor=2)],
@@ -70,6 +71,7 @@ def test_mesh_config_errors():
     }
 
 
+@pytest.mark.slow
 def test_decode_matches_forward_fp32():
     """Token-by-token decoding through the dense cache equals teacher forcing (fp32, 1e-5)."""
     from sparserl_jax.models import DenseKVCache

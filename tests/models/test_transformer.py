@@ -3,12 +3,14 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from sparserl_jax.models import Transformer
 from sparserl_jax.testing import tiny_model, tiny_model_config
 
 
+@pytest.mark.slow
 def test_packed_segments_equal_separate_sequences():
     model = tiny_model()
     a = jax.random.randint(jax.random.key(0), (1, 7), 0, 67)
@@ -20,6 +22,7 @@ def test_packed_segments_equal_separate_sequences():
     np.testing.assert_allclose(out[:, 7:], model(b), atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_causal_gradients():
     """The logits at position t do not depend on tokens after t (gradient through embeddings)."""
     model = tiny_model()
@@ -40,6 +43,7 @@ def test_causal_gradients():
     assert np.all(np.asarray(g[5:]) == 0) and np.all(np.asarray(g[:5]) != 0)
 
 
+@pytest.mark.slow
 def test_remat_same_values_and_grads():
     cfg = tiny_model_config()
     plain = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -55,6 +59,7 @@ def test_remat_same_values_and_grads():
         np.testing.assert_allclose(x, y, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_compute_close_to_fp32():
     cfg = tiny_model_config()
     f32 = Transformer(cfg, rngs=nnx.Rngs(0))

@@ -100,6 +100,7 @@ def reference_gate(cfg, energies, passes):
     return out
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     st.lists(st.integers(-20, 20), min_size=5, max_size=30),

@@ -5,13 +5,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from rl_learner_helpers import config, host, make_batch, reference, with_old
 
 from sparserl_jax.rl import sparse_rl_weights
 from sparserl_jax.rl.config import LossConfig
 from sparserl_jax.rl.gating import DGGConfig, DGGState
 from sparserl_jax.rl.learner import Learner
 from sparserl_jax.testing import assert_trees_equal, tiny_model
+from sparserl_jax.testing.learner import config, host, make_batch, reference, with_old
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +28,7 @@ def tied():
     return model, Learner(model, config(gating=DGGConfig(window=3), num_micro_batches=1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["untied", "tied"])
 def test_step_matches_full_batch_reference(which, request):
     model, learner = request.getfixturevalue(which)
@@ -63,6 +64,7 @@ def armed_gate(window, prev_energy=0.0):
     )
 
 
+@pytest.mark.slow
 def test_dgg_fire_leaves_params_and_opt_state_bit_identical(untied):
     model, learner = untied
     state = learner.init(model)

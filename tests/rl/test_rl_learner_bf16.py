@@ -3,13 +3,15 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
-from rl_learner_helpers import config, host, make_batch, reference, with_old
 
 from sparserl_jax.rl.learner import Learner
 from sparserl_jax.testing import tiny_model
+from sparserl_jax.testing.learner import config, host, make_batch, reference, with_old
 
 
+@pytest.mark.slow
 def test_bf16_compute_tracks_fp32_reference():
     model = tiny_model(seed=9, num_layers=1, dtype="bfloat16")
     learner = Learner(model, config(num_micro_batches=1))

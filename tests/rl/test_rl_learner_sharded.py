@@ -5,13 +5,14 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
-from rl_learner_helpers import config, host, make_batch, with_old
 
 from sparserl_jax.parallel import MeshConfig, make_mesh
 from sparserl_jax.rl.learner import Learner
 from sparserl_jax.testing import tiny_model
+from sparserl_jax.testing.learner import config, host, make_batch, with_old
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_sharded_matches_single_device(tied):
     cfg = config(num_micro_batches=2)

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from sparserl_jax.rl import (
     DGGConfig,
@@ -39,6 +40,7 @@ def loss_fn(params, tokens, mask, rewards, old_logp, sampler_logp):
     return aggregate_loss(loss_bt * corr.weights_bt, corr.loss_mask_bt, mode="token_mean")
 
 
+@pytest.mark.slow
 def test_readme_research_loop():
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
     params = {
@@ -81,6 +83,7 @@ def test_readme_research_loop():
     assert gain[r == 1].mean() > 0 > gain[r == 0].mean()
 
 
+@pytest.mark.slow
 def test_bench_learner_prints_json_last():
     root = Path(__file__).resolve().parents[2]
     out = subprocess.run(

@@ -66,6 +66,7 @@ def test_per_prompt_seeds_follow_the_prompt(sampled):
     np.testing.assert_array_equal(again.completion_ids, a.completion_ids)
 
 
+@pytest.mark.slow
 def test_new_weights_do_not_recompile():
     engine = RolloutEngine(tiny_model(seed=3), config(temperature=0.0, max_new_tokens=4))
     engine.generate(PROMPTS[:2])

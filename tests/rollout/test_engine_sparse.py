@@ -22,6 +22,7 @@ PROMPTS = [[5, 6, 7, 8, 9], [9, 10, 11, 12, 13], [11, 12, 13, 14, 15]]
 GEN = 30
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["rkv", "h2o"])
 def test_sparse_greedy_equals_reference_loop(policy):
     model = tiny_model(seed=5)
@@ -47,6 +48,7 @@ def test_sparse_greedy_equals_reference_loop(policy):
     assert res.stats["kv_peak_bytes"] <= cfg.pool_pages * stats.page_bytes
 
 
+@pytest.mark.slow
 def test_sparse_continuous_batching_bounded_by_pool():
     model = tiny_model(seed=5)
     kv = CompressionConfig(policy="rkv", budget=12, window=3, interval=4)

@@ -3,10 +3,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from rollout_helpers import stepwise_greedy
+import pytest
 
 from sparserl_jax.rollout import sample, token_logprobs
 from sparserl_jax.testing import tiny_model
+from sparserl_jax.testing.oracles import stepwise_greedy
 from sparserl_jax.testing.reference_sampler import generate
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
@@ -19,6 +20,7 @@ def test_greedy_equals_stepwise_argmax():
     assert out.lengths.tolist() == [7, 7, 7]
 
 
+@pytest.mark.slow
 def test_sampled_logprobs_equal_teacher_forced_T1():
     model = tiny_model(seed=3)
     out = generate(model, PROMPTS, max_new_tokens=6, temperature=1.0, seed=11)

@@ -17,6 +17,7 @@ TINY = dict(
 )  # fmt: skip
 
 
+@pytest.mark.slow
 def test_rl_rollouts_and_grpo_loss_at_pi_old():
     cfg = LoCoBenchConfig(**TINY)
     graphdef, params = build_model("tiny", seed=0, dtype=cfg.dtype)
@@ -46,6 +47,7 @@ def test_rl_rollouts_and_grpo_loss_at_pi_old():
     assert start["success_nll"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["rl", "shift"])
 def test_run_reports_the_issue_fields(task):
     cfg = LoCoBenchConfig(**TINY, task=task)

@@ -202,6 +202,7 @@ def test_outer_default_is_diloco_nesterov():
     np.testing.assert_allclose(np.asarray(t), ref, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None)
 @given(st.integers(1, 70), st.floats(0.0, 1.0), st.integers(0, 2**31 - 1))
 def test_mask_pack_unpack_roundtrip(length, density, seed):

@@ -18,11 +18,14 @@ import time
 
 import jax
 import optax
+import pytest
 
 from benchmarks.bigram import chain, sample
 from benchmarks.loco import build_model, next_token_loss
 from sparserl_jax.sync import loco
 from sparserl_jax.sync.loco_runtime import LoCoTrainer, init_cpu_distributed, replica_mesh
+
+pytestmark = pytest.mark.slow
 
 H, R, ROUNDS, BATCH, LENGTH, LR = 3, 2, 3, 4, 9, 1e-4
 PAYLOADS = ("index", "bitmask")

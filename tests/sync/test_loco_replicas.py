@@ -156,6 +156,7 @@ def test_pulseloco_matches_plain_reference(payload):
     check_against_reference("pulseloco", cfg)
 
 
+@pytest.mark.slow
 def test_payload_formats_give_identical_weights():
     # The packed gate and the index rows carry the same entries: same θ and residual bits.
     mesh = replica_mesh(R, jax.devices()[:R])
@@ -187,6 +188,7 @@ def test_trainer_input_errors():
         trainer.round({0: data[0, :, 0]})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["diloco", "pulseloco"])
 def test_resume_from_checkpoint_is_bit_identical(tmp_path, method):
     from sparserl_jax.checkpoint import CheckpointManager

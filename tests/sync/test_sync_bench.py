@@ -2,9 +2,12 @@
 
 import json
 
+import pytest
+
 from benchmarks.sync import BenchConfig, run
 
 
+@pytest.mark.slow
 def test_bench_tiny_is_bit_identical_and_reports_the_issue_fields():
     out = run(BenchConfig(preset="tiny", lr=1e-4, steps=2, batch=2, seq_len=16, anchor_every=2))
     json.dumps(out)  # one JSON line

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from sync_helpers import mutate, np_digest, random_bits
 
 from sparserl_jax.sync import (
     CodecConfig,
@@ -18,6 +17,7 @@ from sparserl_jax.sync import (
     encode,
 )
 from sparserl_jax.sync.codec import ITEMSIZES, read_header
+from sparserl_jax.testing.sync import mutate, np_digest, random_bits
 
 DTYPES = ["bfloat16", "float32", "float16", "int32", "int8", "uint16", "bool"]
 SHAPES = [(), (1,), (7,), (5, 3), (40, 30), (3, 4, 5), (0, 4), (300,)]

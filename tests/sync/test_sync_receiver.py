@@ -8,7 +8,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from sync_helpers import SPECIAL_BITS, mutate, random_bits
 
 from sparserl_jax.sync import (
     CodecConfig,
@@ -25,6 +24,7 @@ from sparserl_jax.sync import (
     to_bits,
 )
 from sparserl_jax.sync.codec import ITEMSIZES
+from sparserl_jax.testing.sync import SPECIAL_BITS, mutate, random_bits
 
 
 def trainer_mesh():
@@ -78,6 +78,7 @@ def as_array(bits: np.ndarray, dtype: str, sharding):
     return jax.device_put(host, sharding)
 
 
+@pytest.mark.slow
 @settings(max_examples=15, deadline=None)
 @given(runs())
 def test_random_trees_rebuild_bit_identically(run):

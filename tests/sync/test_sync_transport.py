@@ -108,6 +108,7 @@ RECEIVER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_stream_between_two_processes():
     import hashlib
 

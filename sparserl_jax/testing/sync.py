@@ -1,4 +1,4 @@
-"""Shared generators for the sync tests: bit patterns with every special value."""
+"""Bit-pattern generators for the sync tests: every special value, sparse mutations, digests."""
 
 import numpy as np
 

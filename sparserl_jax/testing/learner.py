@@ -1,4 +1,4 @@
-"""Shared by the learner tests: a tiny rollout batch, the config and a pure reference step."""
+"""Learner test doubles: a tiny rollout batch, the config and a pure full-batch reference step."""
 
 import functools
 

@@ -1,4 +1,4 @@
-"""Tiny paged inputs shared by the kernel tests (ragged lengths, an empty row, -1 table slots)."""
+"""Tiny paged inputs for the kernel tests (ragged lengths, an empty row, -1 table slots)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shared by the rollout tests: the step-by-step greedy reference."""
+"""Test oracles for the rollout engine: the step-by-step greedy reference."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""KV-cache memory: peak KV bytes of a dense and a compressed greedy generation (issue 3)."""
+"""KV-cache memory: peak KV bytes of a dense and a compressed greedy generation."""
 
 from __future__ import annotations
 

@@ -62,7 +62,7 @@ PRESETS = {"tiny": "loco-tiny", "small": "loco-small", "base": "loco-base"}
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoCoBenchConfig:
-    """One benchmark run (issue 7: R in 2..4, H in 10..50, lr 3e-6 by default).
+    """One benchmark run (PULSE's regime: R in 2..4, H in 10..50, lr 3e-6 by default).
 
     Attributes:
       lr: inner AdamW learning rate for all three methods (post-training regime by default).

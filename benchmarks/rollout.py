@@ -24,8 +24,8 @@ from sparserl_jax.rollout.config import RolloutConfig
 from sparserl_jax.rollout.engine import RolloutEngine
 
 # `--preset` names -> `sparserl_jax.models.MODEL_PRESETS` names, all Qwen2-shaped (QKV bias,
-# RoPE theta 1e6): "cpu" is the default CPU benchmark model (issue 4), "tiny" the KV-cache memory
-# benchmark's model (issue 3), the others the shapes of published checkpoints.
+# RoPE theta 1e6): "cpu" is the default CPU benchmark model, "tiny" the KV-cache memory
+# benchmark's model, the others the shapes of published checkpoints.
 PRESETS = {
     "tiny": "rollout-tiny",
     "cpu": "rollout-cpu",
@@ -230,8 +230,8 @@ def speed_benchmark(
     repeats: int = 1,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Dense, sparse (`kv`) and peer runs on one prompt batch; the issue-4 JSON fields plus
-    the memory fields of issue 3 (`ratio` = sparse / dense peak KV bytes)."""
+    """Dense, sparse (`kv`) and peer runs on one prompt batch; speed fields per arm
+    plus the memory fields (`ratio` = sparse / dense peak KV bytes)."""
     prompts = random_prompts(model.cfg.vocab_size, batch, prompt_len, seed)
     runners = {
         name: engine_runner(

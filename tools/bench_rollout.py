@@ -4,7 +4,7 @@
     python tools/bench_rollout.py --gen-len 4096 --budget 512 --peer none --preset tiny  # memory
 
 Greedy generation on a random-weight Qwen2-shaped model (`--preset cpu`: 4 layers, d=256, 8 query
-/ 2 KV heads, vocab 4096; `tiny` is the KV-cache issue's memory model; `qwen2.5-*` for GPUs;
+/ 2 KV heads, vocab 4096; `tiny` is the KV-cache memory benchmark's model; `qwen2.5-*` for GPUs;
 `--layers/--hidden/--heads/--kv-heads/--vocab` override the preset) with the rollout engine on
 the paged cache, once dense and once with the policy, and, with `--peer tunix` (the default when
 google-tunix is installed), tunix's vanilla sampler on tunix's Qwen2 holding identical weights.

@@ -3,8 +3,7 @@
 Sparse-RL (Luo, Zhang et al., arXiv 2601.10079, ACL 2026) samples with a compressed KV cache, so
 the sampler mu (published weights + sparse attention) differs from the dense old policy pi_old
 that the learner recomputes by teacher forcing. The defaults below are those of the authors'
-release (`slime/examples/train_infer_mismatch_helper/mis.py` + `mis.yaml`; see
-`reference/sparse_rl.md` §2-3 and ARCHITECTURE.md §7):
+release (`slime/examples/train_infer_mismatch_helper/mis.py` + `mis.yaml`):
 
 - `log rho_t = log pi_old(o_t) - log mu(o_t)`, clamped to +-20 before `exp`;
 - veto: a sequence is dropped when any of its response tokens has `rho_t < 1e-4`;

@@ -1,4 +1,4 @@
-"""Dense old-policy logprobs: the one teacher-forced recompute (π_old, ARCHITECTURE §3).
+"""Dense old-policy logprobs: the one teacher-forced recompute (π_old).
 
 The learner's π_old is the sampler's weights with full attention: `log softmax(logits / T)` of
 every given token under the teacher-forced forward pass, the same contract the sampler records

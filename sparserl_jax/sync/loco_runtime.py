@@ -1,7 +1,7 @@
 """DiLoCo / PULSELoCo replicas on a `(replica, data)` mesh: device groups or separate processes.
 
 Row r of the mesh is replica r's device group; inside a group the inner steps are data parallel
-over the `data` axis (gradients `pmean`-ed). One SPMD program serves both topologies of the issue:
+over the `data` axis (gradients `pmean`-ed). One SPMD program serves both topologies:
 
   (a) one program: `replica_mesh(R)` over the local (e.g. fake CPU) devices;
   (b) several processes joined by `jax.distributed` (`init_cpu_distributed` on localhost with the

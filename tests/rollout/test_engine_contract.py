@@ -1,4 +1,4 @@
-"""The rollout engine's contract (issue 4, item 4) against references.
+"""The rollout engine's contract against references.
 
 - With no compression and T = 1, sampler logprobs equal teacher-forced dense logprobs (<= 1e-5),
   both the trainer's pi_old (`Learner.logprobs`) and the stand-alone `dense_logprobs`.

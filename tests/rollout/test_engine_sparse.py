@@ -1,4 +1,5 @@
-"""Sparse mode: the engine on a compressing cache equals the KV-cache issue's reference loop.
+"""Sparse mode: the engine on a compressing cache equals the reference loop
+(`sparserl_jax.testing.greedy_generate`).
 
 `testing.greedy_generate` (prefill, then decode + `compress` each step) is the reference: the
 engine, greedy, with one slot per request, must produce the same tokens and evict the same

@@ -49,7 +49,7 @@ def test_rl_rollouts_and_grpo_loss_at_pi_old():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("task", ["rl", "shift"])
-def test_run_reports_the_issue_fields(task):
+def test_run_reports_its_fields(task):
     cfg = LoCoBenchConfig(**TINY, task=task)
     out = run(cfg)
     json.dumps(out)  # one JSON line

@@ -8,7 +8,7 @@ from benchmarks.sync import BenchConfig, run
 
 
 @pytest.mark.slow
-def test_bench_tiny_is_bit_identical_and_reports_the_issue_fields():
+def test_bench_tiny_is_bit_identical_and_reports_its_fields():
     out = run(BenchConfig(preset="tiny", lr=1e-4, steps=2, batch=2, seq_len=16, anchor_every=2))
     json.dumps(out)  # one JSON line
     for key in ("params", "lr", "steps", "ratio_median", "bytes_per_changed_median"):

@@ -19,6 +19,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Int, Shaped
 
+from pallas_kernels._dispatch import is_pow2
+
+
+def unsupported_reason(trailing: int) -> str | None:
+    """Why Triton would reject the copied row (a power-of-two extent), or None."""
+    if not is_pow2(trailing):
+        return f"trailing size {trailing} is not a power of two (Triton block extents)"
+    return None
+
 
 def _kernel(len_ref, pt_ref, keep_ref, pages_in_ref, o_ref, *, page_size):
     del pages_in_ref  # aliased to o_ref

@@ -6,13 +6,33 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._dispatch import Impl, cdiv, interpret_needed, resolve_impl
+from pallas_kernels._dispatch import Concrete, Impl, cdiv, choose_impl, interpret_needed
+from pallas_kernels.paged_attention import kernel_gpu, kernel_tpu
 from pallas_kernels.paged_attention.reference import (
     paged_decode_attention_reference,
     probs_from_logits,
 )
+
+
+def decode_impl(
+    kv_shape: tuple[int, ...], num_heads: int, batch: int, max_pages: int, *, impl: Impl = "auto"
+) -> Concrete:
+    """What `paged_decode_attention` runs for a `[P, L, K, H]` pool on the target platform.
+
+    The chosen kernel when it compiles for these shapes, else "xla" (logged once); see
+    `_dispatch.choose_impl` and each kernel's `unsupported_reason`.
+    """
+    _, page_size, kv_heads, head_dim = kv_shape
+
+    def unsupported(which: Concrete) -> str | None:
+        if which == "pallas_tpu":
+            return kernel_tpu.unsupported_reason(kv_shape, batch, max_pages)
+        return kernel_gpu.unsupported_reason(num_heads // kv_heads, page_size, head_dim)
+
+    return choose_impl("paged_decode_attention", impl, unsupported)
 
 
 def paged_decode_attention(
@@ -29,17 +49,17 @@ def paged_decode_attention(
 
     Returns fp32 outputs `[B, N, H]` and, with `return_probs`, the per-key softmax
     probabilities `[B, N, M * L]` (zero past the length) that H2O accumulates. See
-    `reference.py` for the layout. `impl`: "auto" (XLA on CPU, the backend's kernel on TPU/GPU),
-    "xla", "pallas_tpu" or "pallas_gpu" (interpret mode when run on a CPU).
+    `reference.py` for the layout. `impl`: "auto" (the Mosaic kernel on TPU, XLA on CPU and GPU),
+    "xla", "pallas_tpu" or "pallas_gpu" (interpret mode off their platform); a kernel that cannot
+    compile these shapes falls back to XLA (`decode_impl`).
     """
-    which = resolve_impl(impl)
+    b, m = page_table_bm.shape
+    which = decode_impl(k_pages.shape, q_bnh.shape[1], b, m, impl=impl)
     if which == "xla":
         return paged_decode_attention_reference(
             q_bnh, k_pages, v_pages, page_table_bm, lengths_b, return_probs=return_probs
         )
     if which == "pallas_gpu":
-        from pallas_kernels.paged_attention import kernel_gpu
-
         out, lse, logits = kernel_gpu.paged_decode_attention_gpu(
             q_bnh,
             k_pages,
@@ -47,14 +67,11 @@ def paged_decode_attention(
             page_table_bm,
             lengths_b,
             return_logits=return_probs,
-            interpret=interpret_needed(),
+            interpret=interpret_needed(which),
         )
     else:
-        from jax.experimental.pallas import tpu as pltpu
-
-        from pallas_kernels.paged_attention import kernel_tpu
-
-        ctx = pltpu.force_tpu_interpret_mode() if interpret_needed() else contextlib.nullcontext()
+        interpret = interpret_needed(which)
+        ctx = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
         with ctx:
             out, lse, logits = kernel_tpu.paged_decode_attention_tpu(
                 q_bnh, k_pages, v_pages, page_table_bm, lengths_b, return_logits=return_probs

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 
+from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._dispatch import Impl, interpret_needed, resolve_impl
+from pallas_kernels._dispatch import Concrete, Impl, choose_impl, interpret_needed
+from pallas_kernels.paged_attention.kernel_tpu import unsupported_reason as tpu_unsupported
+from pallas_kernels.window_scores import kernel_gpu, kernel_tpu
 from pallas_kernels.window_scores.reference import window_scores_reference
 
 
@@ -19,27 +22,33 @@ def window_scores(
     *,
     impl: Impl = "auto",
 ) -> Float[Array, "B K S"]:
-    """SnapKV importance of every kept key, `[B, K, M * L]` (see `reference.py`)."""
-    which = resolve_impl(impl)
+    """SnapKV importance of every kept key, `[B, K, M * L]` (see `reference.py`).
+
+    `impl` as in `paged_decode_attention`; shapes the chosen kernel cannot compile run on XLA.
+    """
+    b, w = q_bwnh.shape[:2]
+    m = page_table_bm.shape[1]
+    _, page_size, _, head_dim = k_pages.shape
+
+    def unsupported(which: Concrete) -> str | None:
+        if which == "pallas_tpu":
+            return tpu_unsupported(k_pages.shape, b, m, smem_words=b)
+        return kernel_gpu.unsupported_reason(w, page_size, head_dim)
+
+    which = choose_impl("window_scores", impl, unsupported)
     if which == "xla":
         return window_scores_reference(q_bwnh, k_pages, page_table_bm, lengths_b, num_queries_b)
     if which == "pallas_gpu":
-        from pallas_kernels.window_scores import kernel_gpu
-
         return kernel_gpu.window_scores_gpu(
             q_bwnh,
             k_pages,
             page_table_bm,
             lengths_b,
             num_queries_b,
-            interpret=interpret_needed(),
+            interpret=interpret_needed(which),
         )
-    from jax.experimental.pallas import tpu as pltpu
-
-    from pallas_kernels.window_scores import kernel_tpu
-
-    ctx = pltpu.force_tpu_interpret_mode() if interpret_needed() else contextlib.nullcontext()
-    with ctx:
+    interpret = interpret_needed(which)
+    with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
         return kernel_tpu.window_scores_tpu(
             q_bwnh, k_pages, page_table_bm, lengths_b, num_queries_b
         )

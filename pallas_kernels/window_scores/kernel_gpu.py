@@ -22,7 +22,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels._dispatch import is_pow2
+
 _NEG = -1e30
+
+
+def unsupported_reason(window: int, page_size: int, head_dim: int) -> str | None:
+    """Why Triton would reject these extents (power-of-two dot tiles of at least 16), or None."""
+    for name, x in (("window", window), ("page size", page_size), ("head dim", head_dim)):
+        if not (is_pow2(x) and x >= 16):
+            return f"{name} {x} is not a power of two >= 16 (Triton dot tiles)"
+    return None
 
 
 def _kernel(lens_ref, nq_ref, pt_ref, q_ref, k_ref, o_ref, *, page_size, groups):

@@ -33,8 +33,8 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import paged_decode_attention
-from pallas_kernels._dispatch import Impl, resolve_impl
-from pallas_kernels.paged_attention.api import paged_decode_attention_xla_bucketed
+from pallas_kernels._dispatch import Impl
+from pallas_kernels.paged_attention.api import decode_impl, paged_decode_attention_xla_bucketed
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 from sparserl_jax.kvcache import allocator
 from sparserl_jax.kvcache.config import cdiv
@@ -210,7 +210,10 @@ class PagedKVCache:
         v_pages = store(self.v_pages, v_btkh)
         kv_len_b = self.lengths_b + self.new_counts_b
         want_probs = self.attn_mass is not None
-        if t == 1 and resolve_impl(self.impl) == "xla":
+        m = self.page_table.shape[1]
+        # The decode path: the kernel when it compiles for these shapes, else XLA (logged once).
+        decode_on = decode_impl(k_pages.shape[1:], q_btnh.shape[2], b, m, impl=self.impl)
+        if t == 1 and decode_on == "xla":
             # XLA decode: bounded by the longest row's pages, not by the table's capacity.
             out_bnh, probs_bns = paged_decode_attention_xla_bucketed(
                 q_btnh[:, 0],
@@ -231,7 +234,7 @@ class PagedKVCache:
                 self.page_table,
                 kv_len_b,
                 return_probs=want_probs,
-                impl=self.impl,
+                impl=decode_on,
             )
             out_btnh = out_bnh[:, None]
             probs_btns = None if probs_bns is None else probs_bns[:, None]

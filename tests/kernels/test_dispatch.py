@@ -1,0 +1,128 @@
+"""Which implementation each op runs, per target platform and shape class: a kernel is chosen only
+where it compiles (else XLA, logged once), GPU defaults to XLA, and interpret mode follows the
+target platform rather than the default backend."""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import _dispatch, window_scores
+from pallas_kernels.compaction import kernel_tpu as compaction_tpu
+from pallas_kernels.paged_attention.api import decode_impl
+from pallas_kernels.paged_attention.kernel_tpu import unsupported_reason
+from pallas_kernels.window_scores.reference import window_scores_reference
+
+# [P, L, K, H] pools by shape class, with N query heads: (kv_shape, num_heads).
+TPU_OK = {
+    "page128_h128_gqa8": ((64, 128, 8, 128), 64),
+    "page16_h64_k2_g7": ((64, 16, 2, 64), 14),  # Qwen2.5-0.5B heads
+    "page256_h128_mha": ((64, 256, 4, 128), 4),
+    "page32_h64_k1": ((64, 32, 1, 64), 4),
+    "page16_h256": ((64, 16, 2, 256), 8),
+}
+TPU_BAD = {
+    "page12": ((64, 12, 2, 64), 4),  # page size not a multiple of 8
+    "h96": ((64, 16, 2, 96), 4),  # head dim neither divides nor is a multiple of 128
+    "h64_k3": ((64, 16, 3, 64), 3),  # 3 heads of 64 lanes do not fill 128-lane blocks
+}
+
+
+@pytest.fixture
+def on(monkeypatch):
+    def set_platform(platform):
+        monkeypatch.setattr(_dispatch, "target_platform", lambda: platform)
+        monkeypatch.delenv(_dispatch.KERNEL_IMPL_ENV, raising=False)
+
+    return set_platform
+
+
+@pytest.mark.parametrize("name", sorted(TPU_OK))
+def test_tpu_picks_the_kernel_where_it_compiles(on, name):
+    on("tpu")
+    kv_shape, n = TPU_OK[name]
+    assert decode_impl(kv_shape, n, 8, 16) == "pallas_tpu"
+    assert decode_impl(kv_shape, n, 8, 16, impl="xla") == "xla"
+
+
+@pytest.mark.parametrize("name", sorted(TPU_BAD))
+def test_tpu_falls_back_to_xla_with_one_log_line(on, name, caplog):
+    on("tpu")
+    kv_shape, n = TPU_BAD[name]
+    _dispatch._LOGGED.clear()
+    with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
+        for impl in ("auto", "pallas_tpu", "auto"):
+            assert decode_impl(kv_shape, n, 8, 16, impl=impl) == "xla"
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and "using XLA" in lines[0], lines
+
+
+def test_tpu_smem_budget(on):
+    on("tpu")
+    assert decode_impl((64, 128, 8, 128), 64, 256, 64) == "pallas_tpu"  # 66 KiB of tables
+    assert "SMEM" in unsupported_reason((64, 128, 8, 128), 512, 512)  # 1 MiB: fails to compile
+    assert decode_impl((64, 128, 8, 128), 64, 512, 512) == "xla"
+    assert compaction_tpu.unsupported_reason(8, 16, 8, 512) is None
+    assert "SMEM" in compaction_tpu.unsupported_reason(64, 64, 8, 4096)
+
+
+@pytest.mark.parametrize("name", sorted(TPU_OK) + sorted(TPU_BAD))
+def test_cpu_uses_xla_and_interprets_kernels_at_any_shape(on, name):
+    on("cpu")
+    kv_shape, n = {**TPU_OK, **TPU_BAD}[name]
+    assert decode_impl(kv_shape, n, 8, 16) == "xla"
+    # Asked for explicitly, a kernel runs in interpret mode, where any shape works.
+    assert decode_impl(kv_shape, n, 8, 16, impl="pallas_tpu") == "pallas_tpu"
+    assert decode_impl(kv_shape, n, 8, 16, impl="pallas_gpu") == "pallas_gpu"
+    assert _dispatch.interpret_needed("pallas_tpu") and _dispatch.interpret_needed("pallas_gpu")
+
+
+@pytest.mark.parametrize("name", sorted(TPU_OK))
+def test_gpu_defaults_to_xla_and_triton_is_opt_in(on, name):
+    on("gpu")
+    kv_shape, n = TPU_OK[name]
+    assert decode_impl(kv_shape, n, 8, 16) == "xla"
+    # Triton wants power-of-two dot tiles >= 16: realistic GQA groups (<= 8) stay on XLA.
+    assert decode_impl(kv_shape, n, 8, 16, impl="pallas_gpu") == "xla"
+    assert not _dispatch.interpret_needed("pallas_gpu")
+
+
+def test_gpu_opt_in_warns(on):
+    on("gpu")
+    with pytest.warns(UserWarning, match="deprecated from JAX 0.11"):
+        assert decode_impl((64, 16, 1, 64), 16, 8, 16, impl="pallas_gpu") == "pallas_gpu"
+
+
+def test_env_override(on, monkeypatch):
+    on("tpu")
+    monkeypatch.setenv(_dispatch.KERNEL_IMPL_ENV, "xla")
+    assert decode_impl((64, 128, 8, 128), 64, 8, 16) == "xla"
+    monkeypatch.setenv(_dispatch.KERNEL_IMPL_ENV, "pallas_tpu")
+    assert decode_impl((64, 12, 2, 64), 4, 8, 16) == "xla"  # still shape-checked
+
+
+def test_target_platform_follows_the_default_device():
+    assert _dispatch.target_platform() == "cpu"
+    with jax.default_device(jax.devices("cpu")[0]):
+        assert _dispatch.target_platform() == "cpu"
+    with jax.default_device("cpu"):
+        assert _dispatch.target_platform() == "cpu"
+
+
+def test_window_scores_falls_back_on_tpu(on, caplog):
+    """Shapes Mosaic rejects (page size 12) run the XLA reference on a TPU target."""
+    on("tpu")
+    _dispatch._LOGGED.clear()
+    k = jax.random.normal(jax.random.key(0), (4, 12, 2, 64))
+    pt = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    lens, nq = jnp.array([20, 5], jnp.int32), jnp.array([3, 3], jnp.int32)
+    q = jax.random.normal(jax.random.key(1), (2, 3, 4, 64))
+    with caplog.at_level(logging.WARNING, logger="pallas_kernels"):
+        got = window_scores(q, k, pt, lens, nq)
+    np.testing.assert_array_equal(got, window_scores_reference(q, k, pt, lens, nq))
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("window_scores: pallas_tpu"), lines

@@ -1,0 +1,114 @@
+"""Ahead-of-time compiles of the ops for TPU topologies (v5e, v5p, v6e) from a CPU host.
+
+These exercise Mosaic, not interpret mode: the ops are compiled with `impl="auto"` under
+`jax.default_device(<topology device>)`, so dispatch targets the TPU, and every compiled program
+must hold a `tpu_custom_call` (the Mosaic kernel) -- or none, for shapes that dispatch sends to
+XLA. They need libtpu (the `tpu` extra, `make test-tpu-aot`) and are skipped without it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels import _dispatch, compact_pages, paged_decode_attention, window_scores
+
+pytestmark = pytest.mark.slow
+
+TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
+B, M, P = 8, 16, 256
+# (page size L, head dim H, kv heads K, group G, dtype): K * G query heads.
+ATTN_SHAPES = [
+    (128, 128, 8, 8, jnp.bfloat16),  # GQA 8, the issue's shapes
+    (16, 64, 2, 7, jnp.bfloat16),  # Qwen2.5-0.5B heads, small pages
+    (256, 128, 4, 2, jnp.float32),
+    (32, 64, 1, 1, jnp.float32),
+    (64, 256, 2, 4, jnp.bfloat16),
+]
+
+
+@pytest.fixture(scope="module", params=TOPOLOGIES)
+def device(request):
+    if importlib.util.find_spec("libtpu") is None:
+        pytest.skip("libtpu is not installed (pip install -e '.[tpu]', or `make test-tpu-aot`)")
+    from jax.experimental import topologies
+
+    try:
+        topo = topologies.get_topology_desc(request.param, "tpu")
+    except Exception as e:  # no TPU plugin / unknown topology in this jax
+        pytest.skip(f"TPU topology {request.param} unavailable: {e}")
+    return topo.devices[0]
+
+
+def _compiled_text(device, fn, *shapes_dtypes):
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    structs = [jax.ShapeDtypeStruct(s, d, sharding=sharding) for s, d in shapes_dtypes]
+    with jax.default_device(device):
+        assert _dispatch.target_platform() == "tpu"
+        assert not _dispatch.interpret_needed("pallas_tpu")
+        return jax.jit(fn).lower(*structs).compile().as_text()
+
+
+@pytest.mark.parametrize("return_probs", [True, False])
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=str)
+def test_paged_attention_compiles_with_mosaic(device, shape, return_probs):
+    pl_, h, k, g, dtype = shape
+    text = _compiled_text(
+        device,
+        lambda *a: paged_decode_attention(*a, return_probs=return_probs),
+        ((B, k * g, h), dtype),
+        ((P, pl_, k, h), dtype),
+        ((P, pl_, k, h), dtype),
+        ((B, M), jnp.int32),
+        ((B,), jnp.int32),
+    )
+    assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize("window", [8, 32])
+@pytest.mark.parametrize("shape", ATTN_SHAPES[:3], ids=str)
+def test_window_scores_compiles_with_mosaic(device, shape, window):
+    pl_, h, k, g, dtype = shape
+    text = _compiled_text(
+        device,
+        window_scores,
+        ((B, window, k * g, h), dtype),
+        ((P, pl_, k, h), dtype),
+        ((B, M), jnp.int32),
+        ((B,), jnp.int32),
+        ((B,), jnp.int32),
+    )
+    assert "tpu_custom_call" in text
+
+
+@pytest.mark.parametrize(
+    "pool", [(128, 8, (128,), jnp.bfloat16), (16, 2, (64,), jnp.bfloat16), (32, 2, (), jnp.float32)]
+)
+def test_compaction_compiles_with_mosaic(device, pool):
+    pl_, k, rest, dtype = pool
+    text = _compiled_text(
+        device,
+        compact_pages,
+        ((P, pl_, k, *rest), dtype),
+        ((B, M), jnp.int32),
+        ((B, k, M * pl_ // 4), jnp.int32),
+        ((B,), jnp.int32),
+    )
+    assert "tpu_custom_call" in text
+
+
+def test_unsupported_shapes_compile_on_xla(device):
+    """Page size 12 is not a multiple of 8: dispatch sends decode to XLA, and it compiles."""
+    text = _compiled_text(
+        device,
+        lambda *a: paged_decode_attention(*a, return_probs=True),
+        ((B, 4, 64), jnp.bfloat16),
+        ((P, 12, 2, 64), jnp.bfloat16),
+        ((P, 12, 2, 64), jnp.bfloat16),
+        ((B, M), jnp.int32),
+        ((B,), jnp.int32),
+    )
+    assert "tpu_custom_call" not in text

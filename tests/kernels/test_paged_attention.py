@@ -3,6 +3,7 @@ kernel under force_tpu_interpret_mode) against the pure-jnp reference, and the a
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -65,3 +66,21 @@ def test_api_dispatch(monkeypatch):
         resolve_impl("auto")
     with pytest.raises(ValueError, match="unknown kernel impl 'triton'"):
         resolve_impl("triton")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("kv_heads", "head_dim", "groups"), [(4, 32, 3), (2, 128, 5), (3, 16, 1)])
+def test_tpu_kernel_lane_packing(kv_heads, head_dim, groups):
+    """Several kv heads per 128-lane block, padded query rows, one head per block."""
+    ks = jax.random.split(jax.random.key(5), 3)
+    k = jax.random.normal(ks[0], (6, 8, kv_heads, head_dim))
+    v = jax.random.normal(ks[1], (6, 8, kv_heads, head_dim))
+    q = jax.random.normal(ks[2], (2, kv_heads * groups, head_dim)) / jnp.sqrt(head_dim)
+    pt = jnp.array([[4, 1, 0], [5, -1, -1]], jnp.int32)
+    lens = jnp.array([20, 7], jnp.int32)
+    want_out, want_probs = paged_decode_attention_reference(q, k, v, pt, lens, return_probs=True)
+    with pltpu.force_tpu_interpret_mode():
+        out, lse, logits = kernel_tpu.paged_decode_attention_tpu(
+            q, k, v, pt, lens, return_logits=True
+        )
+    np.testing.assert_allclose(out, want_out, atol=2e-6, rtol=2e-6)
+    np.testing.assert_allclose(probs_from_logits(logits, lse, lens), want_probs, atol=2e-6)

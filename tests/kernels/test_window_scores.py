@@ -3,6 +3,7 @@ force_tpu_interpret_mode) against the pure-jnp reference, and the api dispatch."
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -49,3 +50,17 @@ def test_api_dispatch():
     want = window_scores(q, k, PAGE_TABLE, LENGTHS, NUM_QUERIES, impl="xla")
     got = window_scores(q, k, PAGE_TABLE, LENGTHS, NUM_QUERIES, impl="pallas_gpu")
     np.testing.assert_allclose(got, want, atol=2e-6)
+
+
+@pytest.mark.parametrize(("kv_heads", "head_dim", "groups"), [(4, 32, 3), (2, 128, 5)])
+def test_tpu_kernel_lane_packing(kv_heads, head_dim, groups):
+    """Several kv heads per 128-lane block and padded (head, window) rows."""
+    ks = jax.random.split(jax.random.key(6), 2)
+    k = jax.random.normal(ks[0], (6, 8, kv_heads, head_dim))
+    q = jax.random.normal(ks[1], (2, 3, kv_heads * groups, head_dim)) / jnp.sqrt(head_dim)
+    pt = jnp.array([[4, 1, 0], [5, -1, -1]], jnp.int32)
+    lens, nq = jnp.array([20, 7], jnp.int32), jnp.array([3, 2], jnp.int32)
+    want = window_scores_reference(q, k, pt, lens, nq)
+    with pltpu.force_tpu_interpret_mode():
+        got = kernel_tpu.window_scores_tpu(q, k, pt, lens, nq)
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)

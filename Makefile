@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast demo venv lint format clean
+.PHONY: test test-fast test-tpu-aot demo venv lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,18 @@ test: $(STAMP)
 # the heaviest compiles): the quick lane while iterating. `make test` still runs them all.
 test-fast: $(STAMP)
 	$(PY) -m pytest -n 2 -q -p no:cacheprovider -m "not slow" tests
+
+# The kernels compiled ahead of time for TPU v5e / v5p / v6e topologies on this CPU host: Mosaic,
+# not interpret mode (tests/kernels/test_tpu_aot.py). Adds libtpu (~700 MB) to .venv; with it
+# there, `make test` runs these tests too. SPARSERL_REQUIRE_TPU_AOT turns their skip into a failure.
+TPU_STAMP := $(VENV)/.installed-tpu
+
+$(TPU_STAMP): $(STAMP)
+	$(PY) -m pip install -e ".[test,tpu]"
+	touch $(TPU_STAMP)
+
+test-tpu-aot: $(TPU_STAMP)
+	SPARSERL_REQUIRE_TPU_AOT=1 $(PY) -m pytest -q -p no:cacheprovider tests/kernels/test_tpu_aot.py
 
 demo: $(STAMP)
 	rm -rf runs/demo

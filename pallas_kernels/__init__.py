@@ -2,7 +2,10 @@
 
 Each op has `reference.py` (pure jnp: the specification and the CPU path), its kernels
 (`kernel_tpu.py`: Mosaic TPU; `kernel_gpu.py`: the Pallas Triton lowering, see the note there)
-and `api.py`, which dispatches (`_dispatch.resolve_impl`):
+and `api.py`, which dispatches (`_dispatch.choose_impl`): on a TPU target the Mosaic kernel where
+its `unsupported_reason` accepts the shapes, else the XLA reference (one log line); XLA on CPU and
+GPU (the Triton kernels are opt-in). The target is the default device's platform, so compiling
+under `jax.default_device(<TPU topology device>)` on a CPU host builds the Mosaic kernels.
 
 - `paged_attention`: one decode query per row against paged K/V (GQA), optionally returning the
   per-key probabilities H2O accumulates.

@@ -17,6 +17,9 @@ from sparserl_jax.rl.advantages import (
     dr_grpo_advantages,
     dynamic_sampling_mask,
     grpo_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
 )
 from sparserl_jax.rl.config import LearnerConfig, LossConfig, OptimizerConfig
 from sparserl_jax.rl.correction import (
@@ -55,6 +58,16 @@ from sparserl_jax.rl.losses import (
     shifted_token_logprobs,
     token_logprobs,
 )
+from sparserl_jax.rl.policy_losses import (
+    POLICY_LOSSES,
+    PolicyLoss,
+    cispo_loss,
+    compute_policy_loss,
+    gspo_loss,
+    gspo_token_loss,
+    reinforce_is_loss,
+    sequence_log_ratio,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -73,12 +86,16 @@ __all__ = [
     "LearnerState",
     "LossConfig",
     "OptimizerConfig",
+    "POLICY_LOSSES",
+    "PolicyLoss",
     "RLBatch",
     "SparseRLCorrection",
     "SparseRLCorrectionConfig",
     "aggregate_loss",
     "aggregation_weights",
+    "cispo_loss",
     "compute_advantages",
+    "compute_policy_loss",
     "dapo_advantages",
     "dapo_overlong_penalty",
     "dr_grpo_advantages",
@@ -86,12 +103,19 @@ __all__ = [
     "dynamic_sampling_mask",
     "entropy_from_logits",
     "grpo_advantages",
+    "gspo_loss",
+    "gspo_token_loss",
     "kl_penalty",
     "lm_head_grad_energy",
     "lm_head_grad_energy_gram",
     "masked_mean",
     "ppo_clip_fraction",
     "ppo_clip_loss",
+    "reinforce_is_loss",
+    "reinforce_pp_advantages",
+    "reinforce_pp_baseline_advantages",
+    "rloo_advantages",
+    "sequence_log_ratio",
     "shifted_token_logprobs",
     "sparse_rl_weights",
     "token_logprobs",

@@ -68,6 +68,13 @@ from sparserl_jax.rl.policy_losses import (
     reinforce_is_loss,
     sequence_log_ratio,
 )
+from sparserl_jax.rl.rejection import (
+    REJECTION_CRITERIA,
+    RejectionCriterion,
+    divergence_rejection_mask,
+    divergence_statistic,
+    parse_rejection,
+)
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -88,7 +95,9 @@ __all__ = [
     "OptimizerConfig",
     "POLICY_LOSSES",
     "PolicyLoss",
+    "REJECTION_CRITERIA",
     "RLBatch",
+    "RejectionCriterion",
     "SparseRLCorrection",
     "SparseRLCorrectionConfig",
     "aggregate_loss",
@@ -98,6 +107,8 @@ __all__ = [
     "compute_policy_loss",
     "dapo_advantages",
     "dapo_overlong_penalty",
+    "divergence_rejection_mask",
+    "divergence_statistic",
     "dr_grpo_advantages",
     "dynamic_gradient_gating",
     "dynamic_sampling_mask",
@@ -109,6 +120,7 @@ __all__ = [
     "lm_head_grad_energy",
     "lm_head_grad_energy_gram",
     "masked_mean",
+    "parse_rejection",
     "ppo_clip_fraction",
     "ppo_clip_loss",
     "reinforce_is_loss",

@@ -396,7 +396,10 @@ class Learner:
     def step(
         self, state: LearnerState, batch: RLBatch, pass_index: int = 1
     ) -> tuple[LearnerState, dict[str, jax.Array]]:
-        """One update (the input state is donated: use the returned one)."""
+        """One update (the input state is donated: use the returned one). In bypass mode
+        (`config.correction.bypass`) a missing pi_old is the sampler's logprobs."""
+        if batch.old_logp_bt is None and self.config.correction.bypass:
+            batch = batch._replace(old_logp_bt=batch.sampler_logp_bt)
         if batch.old_logp_bt is None:
             raise ValueError("batch.old_logp_bt is None: fill it with learner.logprobs first")
         if self.config.loss.kl_coef > 0 and batch.ref_logp_bt is None:
@@ -415,10 +418,11 @@ class Learner:
         self, state: LearnerState, batch: RLBatch
     ) -> tuple[LearnerState, list[dict[str, np.ndarray]]]:
         """Reuse one rollout batch for up to K passes, stopping when DGG fires (that pass's
-        update is discarded) or a step is not finite. pi_old is computed first if missing.
+        update is discarded) or a step is not finite. pi_old is computed first if missing (in
+        bypass mode it is the sampler's logprobs instead).
         Returns the per-pass metrics; `len(result)` is the number of passes run.
         """
-        if batch.old_logp_bt is None:
+        if batch.old_logp_bt is None and not self.config.correction.bypass:
             batch = batch._replace(old_logp_bt=self.logprobs(state.params, batch.tokens_bt))
         history = []
         for k in range(1, self.config.gating.max_passes + 1):

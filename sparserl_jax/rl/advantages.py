@@ -5,6 +5,9 @@ Rewards arrive flat, `[B]`, with the `G` samples of each prompt stored contiguou
 GRPO groups. Every function returns one advantage per sequence, `[B]`; the learner broadcasts it
 over the sequence's tokens.
 
+Every estimator gives exactly 0 to the samples of a group whose rewards are all equal
+(`reinforce_pp`, which has no groups: to an all-equal batch).
+
 Advantages are computed over the *full* group, before any Sparse-RL rejection (as Sparse-RL does):
 rejecting a sample later removes its tokens from the loss, it never changes its siblings'
 advantages.
@@ -66,7 +69,8 @@ def grpo_advantages(
 
     `std_ddof=1` is the unbiased standard deviation that torch's `std` gives in verl / slime /
     TRL (which Sparse-RL ran on); pass 0 for the population std. A group whose rewards are all
-    equal gets advantage 0 for every sample (0 / eps), so it contributes no policy gradient.
+    equal gets exactly advantage 0 for every sample (forced where max == min, so a 1-ulp error
+    in the mean is never divided by `eps`), so it contributes no policy gradient.
     """
     r_pg = _groups(rewards_b, group_size)
     centred_pg = r_pg - jnp.mean(r_pg, axis=1, keepdims=True)

@@ -150,8 +150,9 @@ def _reference_loss(params, graphdef, batch, loss_cfg):
     logp = shifted_token_logprobs(nnx.merge(graphdef, params)(batch.tokens_bt), batch.tokens_bt)
     corr = sparse_rl_weights(batch.old_logp_bt, batch.sampler_logp_bt, batch.mask_bt)
     kw = dict(eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high)
-    if loss_cfg.policy_loss == "gspo":
-        pg = gspo_loss(logp, batch.old_logp_bt, batch.advantages_b, corr.loss_mask_bt, **kw)
+    if loss_cfg.policy_loss in ("gspo", "gspo_token"):
+        fn = gspo_loss if loss_cfg.policy_loss == "gspo" else gspo_token_loss
+        pg = fn(logp, batch.old_logp_bt, batch.advantages_b, corr.loss_mask_bt, **kw)
     else:
         pg = cispo_loss(logp, batch.old_logp_bt, batch.advantages_b, **kw)
     return aggregate_loss(pg * corr.weights_bt, corr.loss_mask_bt, mode=loss_cfg.aggregation)
@@ -159,8 +160,12 @@ def _reference_loss(params, graphdef, batch, loss_cfg):
 
 @pytest.mark.parametrize(
     "loss_cfg",
-    [LossConfig(policy_loss="gspo", eps_low=0.05, eps_high=0.05), LossConfig.cispo()],
-    ids=["gspo", "cispo"],
+    [
+        LossConfig(policy_loss="gspo", eps_low=0.05, eps_high=0.05),
+        LossConfig(policy_loss="gspo_token", eps_low=0.05, eps_high=0.05, aggregation="token_mean"),
+        LossConfig.cispo(),
+    ],
+    ids=["gspo", "gspo_token", "cispo"],
 )
 def test_learner_micro_batches_match_full_batch_reference(loss_cfg):
     model = tiny_model(seed=5, num_layers=1)

@@ -32,6 +32,7 @@ from sparserl_jax.models.config import ModelConfig
 from sparserl_jax.models.hf import config_from_hf
 from sparserl_jax.models.presets import model_preset
 from sparserl_jax.parallel.sharding import MeshConfig
+from sparserl_jax.rl.advantages import AdvantageEstimator
 from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rollout.config import RolloutConfig
 from sparserl_jax.sft import SFTConfig
@@ -165,7 +166,9 @@ class TrainConfig:
     Attributes:
       steps: RL steps (one rollout batch each, reused for up to `learner.gating.max_passes`).
       seed: rollout seed; step s samples with keys derived from `(seed, s)`.
-      advantage_estimator: `grpo`, `dr_grpo` or `dapo`; groups are `rollout.n_samples` wide.
+      advantage_estimator: `grpo`, `dr_grpo`, `dapo`, `rloo`, `reinforce_pp` or
+        `reinforce_pp_baseline` (verl `algorithm.adv_estimator`); groups are
+        `rollout.n_samples` wide.
       topology: `colocated` or `split` (trainer and sampler on disjoint devices).
       sampler_devices: with `split`, how many devices (the last ones) the sampler gets; the
         trainer mesh (`mesh:` section) is laid over the rest.
@@ -182,7 +185,7 @@ class TrainConfig:
 
     steps: int = 100
     seed: int = 0
-    advantage_estimator: Literal["grpo", "dr_grpo", "dapo"] = "grpo"
+    advantage_estimator: AdvantageEstimator = "grpo"
     topology: Topology = "colocated"
     sampler_devices: int = 1
     save_every: int = 50

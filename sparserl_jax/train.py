@@ -5,6 +5,7 @@ One RL step (`_Run.step`):
     1. prompts (grain) -> rollout with the sampler's published weights (dense or sparse KV)
     2. rewards -> group advantages
     3. pi_old: the dense policy with the same published weights, teacher forced on the trainer
+       (bypass mode, `learner.correction.bypass`: the sampler's logprobs, no recompute)
     4. up to K DGG-gated passes of the Sparse-RL objective
     5. PULSESync: the publisher's patch is applied by the sampler, which proves it holds the
        published bits exactly (the receiver checks the full-state digest)
@@ -88,6 +89,13 @@ def _check(cfg: Config) -> None:
             f"{cfg.learner.loss.temperature}: the learner must score tokens with the sampler's "
             "temperature (the logprob contract); set both to the same value"
         )
+    if cfg.learner.correction.bypass and rcfg.sparse:
+        raise ValueError(
+            f"learner.correction.bypass=true with a compressed KV cache (rollout.kv.policy="
+            f"{rcfg.kv.policy!r}): bypass takes the sampler's logprobs as pi_old, so the "
+            "Sparse-RL correction would see rho = 1 and never correct the sparse sampler's "
+            "mismatch. Use bypass only with dense rollouts (rollout.kv.policy=none)"
+        )
     if rcfg.n_samples < 2:
         raise ValueError(
             f"rollout.n_samples={rcfg.n_samples}: group advantages need at least 2 samples"
@@ -132,10 +140,16 @@ class _Run:
         batch = rl_batch(result, adv, self.rollout.max_prompt_len + self.rollout.max_new_tokens)
 
         t0 = time.perf_counter()
-        old_params = published_params(
-            self.publisher.sent_bits, self.state.params, cfg.sync.jnp_publish_dtype
-        )
-        batch = batch._replace(old_logp_bt=self.learner.logprobs(old_params, batch.tokens_bt))
+        bypass = cfg.learner.correction.bypass
+        if bypass:
+            # pi_old := mu: the dense sampler in sync scored these tokens with the published
+            # weights already; skipping the recompute saves a full forward pass.
+            batch = batch._replace(old_logp_bt=batch.sampler_logp_bt)
+        else:
+            old_params = published_params(
+                self.publisher.sent_bits, self.state.params, cfg.sync.jnp_publish_dtype
+            )
+            batch = batch._replace(old_logp_bt=self.learner.logprobs(old_params, batch.tokens_bt))
         t_old = time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -146,7 +160,7 @@ class _Run:
         published = self.publisher.publish(self.state.params)
         events = self.sampler.sync(self.transport)
         t_sync = time.perf_counter() - t0
-        return step_metrics(
+        row = step_metrics(
             rewards=rewards,
             advantages=adv,
             rollout=result,
@@ -162,6 +176,9 @@ class _Run:
                 "step": time.perf_counter() - t_step,
             },
         )
+        # 1: pi_old was the sampler's logprobs and `timing_s/old_log_prob` is ~0 (skipped).
+        row["actor/old_log_prob_bypassed"] = int(bypass)
+        return row
 
     def save(self, step: int) -> None:
         meta = {

@@ -5,6 +5,9 @@ Rewards arrive flat, `[B]`, with the `G` samples of each prompt stored contiguou
 GRPO groups. Every function returns one advantage per sequence, `[B]`; the learner broadcasts it
 over the sequence's tokens.
 
+Every estimator gives exactly 0 to the samples of a group whose rewards are all equal
+(`reinforce_pp`, which has no groups: to an all-equal batch).
+
 Advantages are computed over the *full* group, before any Sparse-RL rejection (as Sparse-RL does):
 rejecting a sample later removes its tokens from the loss, it never changes its siblings'
 advantages.
@@ -17,8 +20,17 @@ from typing import Literal
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-AdvantageEstimator = Literal["grpo", "dr_grpo", "dapo"]
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo")
+AdvantageEstimator = Literal[
+    "grpo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline"
+]
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = (
+    "grpo",
+    "dr_grpo",
+    "dapo",
+    "rloo",
+    "reinforce_pp",
+    "reinforce_pp_baseline",
+)
 
 
 def _groups(rewards_b: Float[Array, " B"], group_size: int) -> Float[Array, "P G"]:
@@ -30,6 +42,16 @@ def _groups(rewards_b: Float[Array, " B"], group_size: int) -> Float[Array, "P G
             f"for {rewards_b.shape[0]} rewards"
         )
     return rewards_b.astype(jnp.float32).reshape(-1, group_size)
+
+
+def _zero_if_equal(adv_pg: Float[Array, "P G"], rewards_pg: Float[Array, "P G"]):
+    # A group whose rewards are all equal carries no preference: its advantage is exactly 0.
+    # Computing it as `R - mean` is not enough: for rewards float32 cannot hold exactly (a group
+    # of 123.456s) the mean is off by an ulp and dividing by `std + eps` blows that up to ~1.
+    same_p1 = jnp.max(rewards_pg, axis=1, keepdims=True) == jnp.min(
+        rewards_pg, axis=1, keepdims=True
+    )
+    return jnp.where(same_p1, 0.0, adv_pg)
 
 
 def _group_std(rewards_pg: Float[Array, "P G"], ddof: int) -> Float[Array, "P 1"]:
@@ -47,11 +69,12 @@ def grpo_advantages(
 
     `std_ddof=1` is the unbiased standard deviation that torch's `std` gives in verl / slime /
     TRL (which Sparse-RL ran on); pass 0 for the population std. A group whose rewards are all
-    equal gets advantage 0 for every sample (0 / eps), so it contributes no policy gradient.
+    equal gets exactly advantage 0 for every sample (forced where max == min, so a 1-ulp error
+    in the mean is never divided by `eps`), so it contributes no policy gradient.
     """
     r_pg = _groups(rewards_b, group_size)
     centred_pg = r_pg - jnp.mean(r_pg, axis=1, keepdims=True)
-    return (centred_pg / (_group_std(r_pg, std_ddof) + eps)).reshape(-1)
+    return _zero_if_equal(centred_pg / (_group_std(r_pg, std_ddof) + eps), r_pg).reshape(-1)
 
 
 def dr_grpo_advantages(rewards_b: Float[Array, " B"], *, group_size: int) -> Float[Array, " B"]:
@@ -61,7 +84,63 @@ def dr_grpo_advantages(rewards_b: Float[Array, " B"], *, group_size: int) -> Flo
     per-sequence length normalisation).
     """
     r_pg = _groups(rewards_b, group_size)
-    return (r_pg - jnp.mean(r_pg, axis=1, keepdims=True)).reshape(-1)
+    return _zero_if_equal(r_pg - jnp.mean(r_pg, axis=1, keepdims=True), r_pg).reshape(-1)
+
+
+def rloo_advantages(rewards_b: Float[Array, " B"], *, group_size: int) -> Float[Array, " B"]:
+    """RLOO advantage `A_i = R_i - (1 / (G - 1)) sum_{j != i} R_j` (Ahmadian et al. 2024, "Back
+    to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs";
+    Kool et al. 2019): each sample's baseline is the mean of its G - 1 siblings, an unbiased
+    baseline. Equals `G / (G - 1) * (R_i - mean_g R)` (verl `rloo`, TRL `RLOOTrainer`).
+    A group of one has no sibling: its advantage is 0.
+    """
+    r_pg = _groups(rewards_b, group_size)
+    g = r_pg.shape[1]
+    if g == 1:
+        return jnp.zeros(r_pg.shape[0], jnp.float32)
+    baseline_pg = (jnp.sum(r_pg, axis=1, keepdims=True) - r_pg) / (g - 1)
+    return _zero_if_equal(r_pg - baseline_pg, r_pg).reshape(-1)
+
+
+def _batch_whiten(x_b: Float[Array, " B"], eps: float) -> Float[Array, " B"]:
+    # Unbiased std (torch's default, as verl's `masked_whiten`); one sequence has no spread.
+    if x_b.shape[0] < 2:
+        return jnp.zeros_like(x_b)
+    return (x_b - jnp.mean(x_b)) / (jnp.std(x_b, ddof=1) + eps)
+
+
+def reinforce_pp_advantages(
+    rewards_b: Float[Array, " B"], *, group_size: int, eps: float = 1e-6
+) -> Float[Array, " B"]:
+    """REINFORCE++ advantage `A_i = (R_i - mean_B R) / (std_B R + eps)` (Hu 2025, "REINFORCE++:
+    A Simple and Efficient Approach for Aligning Large Language Models"): the outcome reward
+    (gamma 1, no critic) normalised over the whole batch instead of per group.
+
+    REINFORCE++ has no groups; `group_size` only checks the batch shape. The all-equal rule
+    applies to its "group", the batch: a batch of equal rewards gives exactly 0. Deviation from
+    verl (`reinforce_plus_plus`): verl whitens over response *tokens* (each sequence weighted by
+    its length); here every sequence counts once.
+    """
+    r_pg = _groups(rewards_b, group_size)
+    r_b = r_pg.reshape(-1)
+    same = jnp.max(r_b) == jnp.min(r_b)
+    return jnp.where(same, 0.0, _batch_whiten(r_b, eps))
+
+
+def reinforce_pp_baseline_advantages(
+    rewards_b: Float[Array, " B"], *, group_size: int, eps: float = 1e-6
+) -> Float[Array, " B"]:
+    """REINFORCE++-baseline: `A'_i = R_i - mean_g R` (the group mean as baseline), then
+    batch-normalised `A_i = (A'_i - mean_B A') / (std_B A' + eps)` (Hu 2025; verl
+    `reinforce_plus_plus_baseline`, OpenRLHF `reinforce_baseline`).
+
+    Samples of an all-equal group get exactly 0 (before and after the normalisation). As in
+    `reinforce_pp_advantages`, the batch statistics weight sequences, not tokens.
+    """
+    r_pg = _groups(rewards_b, group_size)
+    centred_pg = _zero_if_equal(r_pg - jnp.mean(r_pg, axis=1, keepdims=True), r_pg)
+    whitened_pg = _batch_whiten(centred_pg.reshape(-1), eps).reshape(r_pg.shape)
+    return _zero_if_equal(whitened_pg, r_pg).reshape(-1)
 
 
 def dapo_advantages(
@@ -107,11 +186,17 @@ def dapo_overlong_penalty(
 def compute_advantages(
     rewards_b: Float[Array, " B"], *, group_size: int, estimator: AdvantageEstimator = "grpo"
 ) -> Float[Array, " B"]:
-    """Dispatch on the estimator name (`grpo`, `dr_grpo` or `dapo`)."""
+    """Dispatch on the estimator name (one of `ADVANTAGE_ESTIMATORS`)."""
     if estimator == "grpo":
         return grpo_advantages(rewards_b, group_size=group_size)
     if estimator == "dr_grpo":
         return dr_grpo_advantages(rewards_b, group_size=group_size)
     if estimator == "dapo":
         return dapo_advantages(rewards_b, group_size=group_size)
+    if estimator == "rloo":
+        return rloo_advantages(rewards_b, group_size=group_size)
+    if estimator == "reinforce_pp":
+        return reinforce_pp_advantages(rewards_b, group_size=group_size)
+    if estimator == "reinforce_pp_baseline":
+        return reinforce_pp_baseline_advantages(rewards_b, group_size=group_size)
     raise ValueError(f"unknown advantage estimator {estimator!r}; expected {ADVANTAGE_ESTIMATORS}")

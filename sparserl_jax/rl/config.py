@@ -13,17 +13,37 @@ import optax
 from sparserl_jax.rl.correction import SparseRLCorrectionConfig
 from sparserl_jax.rl.gating import DGGConfig
 from sparserl_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS, Aggregation, KLEstimator
+from sparserl_jax.rl.policy_losses import POLICY_LOSSES, PolicyLoss
 
 Schedule = Literal["constant", "linear", "cosine"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 
+# (eps_low, eps_high) when left unset, per policy loss. PPO: the classic 0.2. GSPO: the paper's
+# 3e-4 / 4e-4 (a sequence ratio, a geometric mean, moves far less than a token ratio). CISPO: no
+# lower bound on the weight (MiniMax-M1) and verl's 0.28 above. REINFORCE + IS: truncation at 2
+# (verl's `rollout_is_threshold`).
+DEFAULT_CLIP: dict[str, tuple[float, float]] = {
+    "ppo": (0.2, 0.2),
+    "gspo": (3e-4, 4e-4),
+    "gspo_token": (3e-4, 4e-4),
+    "cispo": (1.0, 0.28),
+    "reinforce": (1.0, 1.0),
+}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    """The per-token objective: PPO-clip on group advantages, optional KL and entropy terms.
+    """The per-token objective: a policy loss on group advantages, optional KL and entropy terms.
 
     Attributes:
-      eps_low, eps_high: PPO clip range `[1 - eps_low, 1 + eps_high]` (DAPO: 0.2 / 0.28).
+      policy_loss: `ppo` (PPO-clip, dual clip optional), `gspo` (sequence ratio, sequence clip),
+        `gspo_token`, `cispo` (clipped stop-gradient IS weight x REINFORCE) or `reinforce`
+        (REINFORCE x truncated IS weight `min(r, 1 + eps_high)`, for bypass mode); verl
+        `actor.policy_loss.loss_mode`.
+      eps_low, eps_high: clip range `[1 - eps_low, 1 + eps_high]` of the ratio (DAPO: 0.2 /
+        0.28); unset (None), they take the policy loss's default (`DEFAULT_CLIP`: 0.2 / 0.2 for
+        ppo, 3e-4 / 4e-4 for gspo and gspo_token, 1.0 / 0.28 for cispo, 1.0 / 1.0 for
+        reinforce). `eps_low = 1` means no lower bound.
       dual_clip: cap on the loss of negative-advantage tokens (`None`: off; verl uses 3).
       aggregation: `token_mean` (DAPO), `seq_mean_token_mean` (GRPO), `seq_mean_token_sum_norm`
         (Dr.GRPO).
@@ -34,8 +54,9 @@ class LossConfig:
       temperature: sampling temperature; logprobs are `log softmax(logits / temperature)`.
     """
 
-    eps_low: float = 0.2
-    eps_high: float = 0.2
+    policy_loss: PolicyLoss = "ppo"
+    eps_low: float | None = None
+    eps_high: float | None = None
     dual_clip: float | None = None
     aggregation: Aggregation = "seq_mean_token_mean"
     max_response_len: int | None = None
@@ -45,12 +66,36 @@ class LossConfig:
     temperature: float = 1.0
 
     def __post_init__(self):
-        if not (0 <= self.eps_low < 1 and self.eps_high >= 0):
+        if self.policy_loss not in POLICY_LOSSES:
             raise ValueError(
-                f"need 0 <= eps_low < 1 and eps_high >= 0, got {self.eps_low}, {self.eps_high}"
+                f"policy_loss {self.policy_loss!r} unknown; expected one of {POLICY_LOSSES}"
             )
+        low, high = DEFAULT_CLIP[self.policy_loss]
+        if self.eps_low is None:
+            object.__setattr__(self, "eps_low", low)
+        if self.eps_high is None:
+            object.__setattr__(self, "eps_high", high)
+        ppo_like = self.policy_loss in ("ppo", "gspo", "gspo_token")
+        if not (0 <= self.eps_low < 1 or (self.eps_low == 1 and not ppo_like)):
+            raise ValueError(
+                f"need 0 <= eps_low < 1 for {self.policy_loss} (1 allowed for cispo and "
+                f"reinforce: no lower bound), got {self.eps_low}"
+            )
+        if not self.eps_high >= 0:
+            raise ValueError(f"need eps_high >= 0, got {self.eps_high}")
         if self.dual_clip is not None and self.dual_clip <= 1:
             raise ValueError(f"dual_clip must be > 1 or None, got {self.dual_clip}")
+        if self.dual_clip is not None and self.policy_loss != "ppo":
+            raise ValueError(
+                f"dual_clip applies to policy_loss='ppo' only, got policy_loss="
+                f"{self.policy_loss!r} with dual_clip={self.dual_clip}"
+            )
+        if self.policy_loss == "gspo" and self.aggregation != "seq_mean_token_mean":
+            raise ValueError(
+                f"policy_loss='gspo' is a per-sequence objective averaged over sequences: it "
+                f"needs aggregation='seq_mean_token_mean', got {self.aggregation!r} (use "
+                "gspo_token for other aggregations)"
+            )
         if self.aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation {self.aggregation!r} unknown; expected {AGGREGATIONS}")
         if self.kl_estimator not in KL_ESTIMATORS:
@@ -77,6 +122,16 @@ class LossConfig:
     @classmethod
     def dapo(cls, **overrides) -> "LossConfig":
         return cls(**{"aggregation": "token_mean", "eps_low": 0.2, "eps_high": 0.28, **overrides})
+
+    @classmethod
+    def gspo(cls, **overrides) -> "LossConfig":
+        """GSPO with the paper's clip range 3e-4 / 4e-4, averaged over sequences."""
+        return cls(**{"policy_loss": "gspo", "aggregation": "seq_mean_token_mean", **overrides})
+
+    @classmethod
+    def cispo(cls, **overrides) -> "LossConfig":
+        """CISPO as in MiniMax-M1: token-mean aggregation, weight clipped to [0, 1.28]."""
+        return cls(**{"policy_loss": "cispo", "aggregation": "token_mean", **overrides})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -16,6 +16,11 @@ Every part is switchable, and rejection / reweighting can act per token, per seq
 (`rho = prod_t rho_t`) or on the geometric mean (`rho = exp(mean_t log rho_t)`), as in slime's
 `mis_level`. `SparseRLCorrectionConfig.naive()` is "naive sparse" (no correction) and
 `SparseRLCorrectionConfig.tis_only()` is truncated importance sampling alone.
+
+Beyond Sparse-RL (verl's rollout-correction options): IcePop weights (`reweight_mode="icepop"`,
+`icepop()`), rejection by K1 / K2 / K3 divergence at token or sequence level, several chained
+(`rejection`, see `rl/rejection.py`), and bypass mode (`bypass`: pi_old := mu, no dense
+recompute).
 """
 
 import dataclasses
@@ -26,8 +31,12 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
+from sparserl_jax.rl.rejection import divergence_rejection_mask, parse_rejection
+
 CorrectionLevel = Literal["token", "sequence", "geometric"]
 CORRECTION_LEVELS: tuple[str, ...] = ("token", "sequence", "geometric")
+ReweightMode = Literal["truncate", "icepop"]
+REWEIGHT_MODES: tuple[str, ...] = ("truncate", "icepop")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,7 +54,21 @@ class SparseRLCorrectionConfig:
       reweight: multiply the per-token loss by the truncated importance weight.
       reweight_level: level of the weight (`token`, `sequence` or `geometric`).
       reweight_upper: truncation `w = min(rho, reweight_upper)` (TIS, Yao et al. 2025).
+      reweight_mode: `truncate` (TIS, above) or `icepop`: `w = rho` inside
+        `[reweight_lower, reweight_upper]`, 0 outside, the token staying in the loss
+        denominator (IcePop, Ling Team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale
+        Thinking Model"; verl `rollout_is_threshold="lower_upper"`, OpenRLHF / NeMo-RL
+        `icepop`).
+      reweight_lower: IcePop's lower bound (unused by `truncate`).
       batch_normalize: divide the weights by their mean over the batch's valid tokens.
+      rejection: divergence criteria chained after the ratio rejection, e.g.
+        `("seq_mean_k3=0.01", "token_k1=0.5_2.0")` (verl `rollout_rs` + `rollout_rs_threshold`;
+        see `rl/rejection.py`). Empty: none.
+      bypass: take the sampler's logprobs as pi_old and skip the dense recompute (verl
+        `bypass_mode`): rho = 1, so veto, rejection and reweighting do nothing, and the policy
+        loss's own ratio pi_theta / mu (PPO-clip, or REINFORCE x truncated IS with
+        `learner.loss.policy_loss=reinforce`) is the only off-policy correction. For dense
+        samplers in sync only: `sparserl train` refuses it with a compressed KV cache.
     """
 
     log_ratio_bound: float = 20.0
@@ -58,7 +81,11 @@ class SparseRLCorrectionConfig:
     reweight: bool = True
     reweight_level: CorrectionLevel = "token"
     reweight_upper: float = 1.5
+    reweight_mode: ReweightMode = "truncate"
+    reweight_lower: float = 0.5
     batch_normalize: bool = True
+    rejection: tuple[str, ...] = ()
+    bypass: bool = False
 
     def __post_init__(self):
         for name in ("reject_level", "reweight_level"):
@@ -78,11 +105,53 @@ class SparseRLCorrectionConfig:
             )
         if not self.reweight_upper > 0:
             raise ValueError(f"reweight_upper must be > 0, got {self.reweight_upper}")
+        if self.reweight_mode not in REWEIGHT_MODES:
+            raise ValueError(
+                f"reweight_mode={self.reweight_mode!r} is not supported; expected one of "
+                f"{REWEIGHT_MODES}"
+            )
+        if self.reweight_mode == "icepop" and not 0 <= self.reweight_lower < self.reweight_upper:
+            raise ValueError(
+                f"icepop needs 0 <= reweight_lower < reweight_upper, got [{self.reweight_lower}, "
+                f"{self.reweight_upper}]"
+            )
+        for spec in self.rejection:
+            parse_rejection(spec)
+        if self.bypass and self.rejection:
+            raise ValueError(
+                f"bypass=True takes pi_old := mu, so rho = 1 and the rejection criteria "
+                f"{self.rejection} could never fire; drop them or turn bypass off"
+            )
+        if self.bypass and self.reweight_mode == "icepop":
+            raise ValueError(
+                "bypass=True makes every IcePop weight rho = 1 (a no-op); use "
+                "learner.loss.policy_loss=reinforce or cispo for a weight on pi_theta / mu"
+            )
 
     @classmethod
     def naive(cls) -> "SparseRLCorrectionConfig":
         """ "Naive sparse": no veto, no rejection, no reweighting (weights 1, mask unchanged)."""
         return cls(veto=False, reject=False, reweight=False, batch_normalize=False)
+
+    @classmethod
+    def icepop(cls, *, lower: float = 0.5, upper: float = 5.0) -> "SparseRLCorrectionConfig":
+        """IcePop alone: token weights `rho` kept inside `[lower, upper]` (defaults: OpenRLHF's
+        0.5 / 5.0), zeroed outside; no veto, no rejection, no batch normalisation."""
+        return cls(
+            veto=False,
+            reject=False,
+            reweight=True,
+            reweight_mode="icepop",
+            reweight_lower=lower,
+            reweight_upper=upper,
+            batch_normalize=False,
+        )
+
+    @classmethod
+    def bypass_mode(cls) -> "SparseRLCorrectionConfig":
+        """Bypass (pi_old := mu, no recompute) with the correction off (it would see rho = 1);
+        pair with `policy_loss` `ppo` (verl `bypass_ppo_clip`) or `reinforce` (`bypass_pg_is`)."""
+        return cls(veto=False, reject=False, reweight=False, batch_normalize=False, bypass=True)
 
     @classmethod
     def tis_only(cls, *, upper: float = 1.5, batch_normalize: bool = False):
@@ -179,9 +248,23 @@ def sparse_rl_weights(
         )
         in_range_bt = (level_rho_bt >= cfg.reject_lower) & (level_rho_bt <= cfg.reject_upper)
         keep_bt = keep_bt * in_range_bt.astype(jnp.float32)
+    if cfg.rejection:
+        keep_bt = keep_bt * divergence_rejection_mask(
+            old_logp_bt,
+            sampler_logp_bt,
+            m_bt,
+            cfg.rejection,
+            log_ratio_bound=cfg.log_ratio_bound,
+        )
 
     n_valid = jnp.sum(m_bt)
-    if cfg.reweight:
+    if cfg.reweight and cfg.reweight_mode == "icepop":
+        level_rho_bt = jnp.exp(
+            _level_log_ratio(raw_bt, m_bt, cfg.reweight_level, cfg.log_ratio_bound)
+        )
+        inside_bt = (level_rho_bt >= cfg.reweight_lower) & (level_rho_bt <= cfg.reweight_upper)
+        w_bt = jnp.where(inside_bt, level_rho_bt, 0.0)
+    elif cfg.reweight:
         w_bt = jnp.minimum(
             jnp.exp(_level_log_ratio(raw_bt, m_bt, cfg.reweight_level, cfg.log_ratio_bound)),
             cfg.reweight_upper,

@@ -44,10 +44,9 @@ from sparserl_jax.rl.losses import (
     aggregation_weights,
     entropy_from_logits,
     kl_penalty,
-    ppo_clip_fraction,
-    ppo_clip_loss,
     shifted_token_logprobs,
 )
+from sparserl_jax.rl.policy_losses import compute_policy_loss
 from sparserl_jax.rollout.logprobs import split_micro_batches, teacher_forced_logprobs
 
 
@@ -92,10 +91,12 @@ def _micro_loss(params, head_w, mb: dict, *, graphdef, loss_cfg: LossConfig, tie
     temp = loss_cfg.temperature
     logp_bt = shifted_token_logprobs(logits_btv, mb["tokens"], temperature=temp)
     old_bt = mb["old_logp"]
-    pg_bt = ppo_clip_loss(
+    pg_bt, clip_bt = compute_policy_loss(
         logp_bt,
         old_bt,
         mb["adv"],
+        mb.get("mask"),
+        loss=loss_cfg.policy_loss,
         eps_low=loss_cfg.eps_low,
         eps_high=loss_cfg.eps_high,
         dual_clip=loss_cfg.dual_clip,
@@ -112,9 +113,6 @@ def _micro_loss(params, head_w, mb: dict, *, graphdef, loss_cfg: LossConfig, tie
     if loss_cfg.entropy_coef > 0:
         loss = loss - loss_cfg.entropy_coef * jnp.sum(mb["reg_coef"] * ent_bt)
     ratio_bt = jnp.exp(jnp.clip(logp_bt - old_bt, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    clip_bt = ppo_clip_fraction(
-        logp_bt, old_bt, mb["adv"], eps_low=loss_cfg.eps_low, eps_high=loss_cfg.eps_high
-    )
     aux = {
         "loss": loss,
         "pg_loss": pg_loss,
@@ -162,6 +160,8 @@ def train_step(
         "reg_coef": agg_bt / denom,
         "tok_w": kept_bt / jnp.maximum(jnp.sum(kept_bt), 1.0),
     }
+    if lcfg.policy_loss in ("gspo", "gspo_token"):
+        per_token["mask"] = kept_bt
     if batch.ref_logp_bt is not None:
         per_token["ref_logp"] = batch.ref_logp_bt.astype(jnp.float32)
     micro = jax.tree.map(lambda x: split_micro_batches(x, m), per_token)
@@ -396,7 +396,10 @@ class Learner:
     def step(
         self, state: LearnerState, batch: RLBatch, pass_index: int = 1
     ) -> tuple[LearnerState, dict[str, jax.Array]]:
-        """One update (the input state is donated: use the returned one)."""
+        """One update (the input state is donated: use the returned one). In bypass mode
+        (`config.correction.bypass`) a missing pi_old is the sampler's logprobs."""
+        if batch.old_logp_bt is None and self.config.correction.bypass:
+            batch = batch._replace(old_logp_bt=batch.sampler_logp_bt)
         if batch.old_logp_bt is None:
             raise ValueError("batch.old_logp_bt is None: fill it with learner.logprobs first")
         if self.config.loss.kl_coef > 0 and batch.ref_logp_bt is None:
@@ -415,10 +418,11 @@ class Learner:
         self, state: LearnerState, batch: RLBatch
     ) -> tuple[LearnerState, list[dict[str, np.ndarray]]]:
         """Reuse one rollout batch for up to K passes, stopping when DGG fires (that pass's
-        update is discarded) or a step is not finite. pi_old is computed first if missing.
+        update is discarded) or a step is not finite. pi_old is computed first if missing (in
+        bypass mode it is the sampler's logprobs instead).
         Returns the per-pass metrics; `len(result)` is the number of passes run.
         """
-        if batch.old_logp_bt is None:
+        if batch.old_logp_bt is None and not self.config.correction.bypass:
             batch = batch._replace(old_logp_bt=self.logprobs(state.params, batch.tokens_bt))
         history = []
         for k in range(1, self.config.gating.max_passes + 1):

@@ -38,7 +38,7 @@ from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
 from sparserl_jax.config import Config, to_dict
 from sparserl_jax.data import compute_rewards, eval_examples, make_reward_fn, prompt_iterator
-from sparserl_jax.metrics import MetricsWriter, plot_metrics, step_metrics
+from sparserl_jax.metrics import MetricsWriter, plot_metrics, step_metrics, truncate_metrics
 from sparserl_jax.rl import Learner, LearnerState, RLBatch, compute_advantages
 from sparserl_jax.rollout import RolloutConfig, RolloutResult
 from sparserl_jax.sampler import (
@@ -119,6 +119,7 @@ class _Run:
     reward_fn: Any
     data_it: Any
     start_step: int
+    resumed: bool
 
     def step(self, step: int) -> dict[str, Any]:
         """One RL step (the list in the module docstring); returns its metrics row."""
@@ -249,6 +250,7 @@ def _start(cfg: Config, log_fn) -> _Run:
         reward_fn=make_reward_fn(cfg.data),
         data_it=prompt_iterator(cfg.data, state=data_state),
         start_step=start_step,
+        resumed=restored is not None,
     )
 
 
@@ -265,13 +267,20 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     run = _start(cfg, log_fn)
     tcfg = cfg.train
     held_out = eval_examples(cfg.data, tcfg.eval_examples) if tcfg.eval_examples else []
+    # Idempotent outputs: rows a killed run wrote after its last checkpoint are re-run, so they
+    # are dropped; the "before" evaluation is written only if that step has no row yet.
+    write_before = True
+    if run.resumed:
+        kept = truncate_metrics(run_dir, run.start_step)
+        write_before = not any(r.get("step") == run.start_step for r in kept)
     writer = MetricsWriter(run_dir, tensorboard=tcfg.tensorboard)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": run.start_step}
 
-    def evaluate(step: int, when: str) -> None:
+    def evaluate(step: int, when: str, write: bool = True) -> None:
         val = run.sampler.evaluate(held_out, run.tokenizer, run.reward_fn)
         if val:
-            writer.write(step, val)
+            if write:
+                writer.write(step, val)
             summary[f"val_reward_{when}"] = val["val/reward_mean"]
             summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
             log_fn(
@@ -279,7 +288,7 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
                 f"{val['val/greedy_reward_mean']:.3f} (greedy)"
             )
 
-    evaluate(run.start_step, "before")
+    evaluate(run.start_step, "before", write=write_before)
     bar = None
     if tcfg.progress and tcfg.steps > run.start_step:
         bar = tqdm(

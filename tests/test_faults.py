@@ -1,0 +1,43 @@
+"""Reliability: idempotent run outputs after a kill, validation before the expensive work, and
+one-line CLI errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from sparserl_jax.config import load_config
+from sparserl_jax.metrics import read_metrics, truncate_metrics
+from sparserl_jax.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+# 4 prompts x 2 samples = 8 rows: divides the 8 fake devices' data*fsdp shards.
+FAST = ["data.batch_size=4", "sft.steps=0", "train.eval_examples=0"]
+
+
+def test_truncate_metrics_drops_later_rows_and_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "x": s} for s in (0, 1, 2, 3)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "x"')
+    kept = truncate_metrics(tmp_path, 2)
+    assert [r["step"] for r in kept] == [0, 1, 2]
+    assert path.read_text() == "".join(json.dumps(r) + "\n" for r in rows[:3])
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+
+
+@pytest.mark.slow
+def test_resume_never_duplicates_metrics_rows(tmp_path):
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", *FAST, "train.steps=2"])
+    train(cfg, log_fn=lambda m: None)
+    # What a run killed after writing step 3 (and half of step 4) but before saving leaves.
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write(json.dumps({"step": 3, "stale": True}) + "\n" + '{"step": 4, "crit')
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", *FAST, "train.steps=3"])
+    summary = train(cfg, log_fn=lambda m: None)
+    assert summary["start_step"] == 2
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert not any("stale" in r for r in rows)
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and all(json.loads(line) for line in lines)

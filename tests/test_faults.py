@@ -41,3 +41,48 @@ def test_resume_never_duplicates_metrics_rows(tmp_path):
     assert not any("stale" in r for r in rows)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and all(json.loads(line) for line in lines)
+
+
+def _no_build(monkeypatch):
+    """Make building the model an error: a check that passes this ran before any build."""
+
+    def boom(*a, **k):
+        raise AssertionError("the model was built before the config was validated")
+
+    monkeypatch.setattr("sparserl_jax.train.build_model", boom)
+
+
+def test_batch_vs_mesh_checked_before_model_is_built(tmp_path, monkeypatch):
+    _no_build(monkeypatch)
+    cfg = load_config(TINY, [f"run_dir={tmp_path}"])  # 2 x 2 = 4 rows on 8 shards
+    with pytest.raises(ValueError, match=r"data\.batch_size=2 x rollout\.n_samples=2 = 4 rows"):
+        train(cfg, log_fn=lambda m: None)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_bad_reward_fn_checked_before_model_is_built(tmp_path, monkeypatch):
+    _no_build(monkeypatch)
+    for spec, match in [
+        ("no_such_module_xyz:reward", "cannot import module"),
+        ("json:no_such_fn", "has no attribute"),
+        ("math:sqrt", r"fn\(prompt, completion, answer\)"),
+    ]:
+        cfg = load_config(TINY, [f"run_dir={tmp_path}", *FAST, f"data.reward_fn={spec}"])
+        with pytest.raises(ValueError, match=match):
+            train(cfg, log_fn=lambda m: None)
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_long_prompt_is_named_when_encoded():
+    from sparserl_jax.build import build_tokenizer
+    from sparserl_jax.data import DataError, Example, encode_prompts
+
+    cfg = load_config(TINY)
+    tok = build_tokenizer(cfg.tokenizer, cfg.model)
+    ok = Example(task="arithmetic", prompt="1+2=", answer="3", source="a#0", index=0)
+    long = Example(
+        task="arithmetic", prompt="123456789+1=", answer="0", source="file.jsonl:7", index=7
+    )
+    assert len(encode_prompts([ok], tok, max_len=8)[0]) <= 8
+    with pytest.raises(DataError, match=r"prompt 1 .*file\.jsonl:7.*rollout\.max_prompt_len=8"):
+        encode_prompts([ok, long], tok, max_len=8)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
@@ -57,7 +58,7 @@ def load_reward_fn(spec: str) -> Callable[..., object]:
     """Import `package.module:function` (the name may be dotted: `module:Class.method`).
 
     Raises `DataError` naming the spec when the module cannot be imported, the attribute does not
-    exist, or it is not callable.
+    exist, it is not callable, or its signature cannot take `(prompt, completion, answer)`.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -77,6 +78,16 @@ def load_reward_fn(spec: str) -> Callable[..., object]:
             ) from None
     if not callable(obj):
         raise DataError(f"reward_fn {spec!r} is a {type(obj).__name__}, not a callable")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return obj  # a builtin without a signature: nothing to check
+    try:
+        signature.bind("prompt", "completion", "answer")
+    except TypeError as e:
+        raise DataError(
+            f"reward_fn {spec!r} cannot be called as fn(prompt, completion, answer): {e}"
+        ) from None
     return obj
 
 

@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from sparserl_jax.build import build_tokenizer
+from sparserl_jax.cli import main
 from sparserl_jax.config import load_config
+from sparserl_jax.data import DataError, Example, encode_prompts
 from sparserl_jax.metrics import read_metrics, truncate_metrics
 from sparserl_jax.train import train
 
@@ -74,9 +77,6 @@ def test_bad_reward_fn_checked_before_model_is_built(tmp_path, monkeypatch):
 
 
 def test_long_prompt_is_named_when_encoded():
-    from sparserl_jax.build import build_tokenizer
-    from sparserl_jax.data import DataError, Example, encode_prompts
-
     cfg = load_config(TINY)
     tok = build_tokenizer(cfg.tokenizer, cfg.model)
     ok = Example(task="arithmetic", prompt="1+2=", answer="3", source="a#0", index=0)
@@ -86,3 +86,40 @@ def test_long_prompt_is_named_when_encoded():
     assert len(encode_prompts([ok], tok, max_len=8)[0]) <= 8
     with pytest.raises(DataError, match=r"prompt 1 .*file\.jsonl:7.*rollout\.max_prompt_len=8"):
         encode_prompts([ok, long], tok, max_len=8)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["train", TINY, "rollout.n_samples=1"], "at least 2 samples"),
+        (["train", "BAD_YAML"], "while parsing"),
+        (["train", str(ROOT / "configs")], "Is a directory"),
+        (["train", TINY, "train.topology=split", "train.sampler_devices=8"], "sampler_devices=8"),
+        (["generate", TINY, "model.arch.num_layerz=2"], "did you mean 'num_layers'"),
+    ],
+)
+def test_cli_usage_errors_are_one_line_exit_2(tmp_path, capsys, monkeypatch, argv, match):
+    _no_build(monkeypatch)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: [1, 2\nrun_dir: x\n")
+    argv = [str(bad) if a == "BAD_YAML" else a for a in argv]
+    argv += [f"run_dir={tmp_path}"] if argv[0] == "train" and argv[1] != str(bad) else []
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("sparserl: error: ") and err.count("\n") == 1, err
+    assert match in err
+    assert "Traceback" not in err
+    with pytest.raises(Exception, match=match):
+        main(["--debug", *argv])
+
+
+def test_cli_runtime_failure_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    def fail(*a, **k):
+        raise RuntimeError("disk full\nsecond line")
+
+    monkeypatch.setattr("sparserl_jax.cli.train", fail)
+    assert main(["train", TINY, f"run_dir={tmp_path}", *FAST]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("sparserl: error: disk full second line") and err.count("\n") == 1
+    with pytest.raises(RuntimeError, match="disk full"):
+        main(["train", "--debug", TINY, f"run_dir={tmp_path}", *FAST])

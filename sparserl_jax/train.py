@@ -157,7 +157,7 @@ class _Run:
         t_gen = time.perf_counter() - t0
 
         texts = completion_texts(result, self.tokenizer)
-        rewards = compute_rewards(self.reward_fn, examples, texts, group_size=group)
+        rewards = compute_rewards(self.reward_fn, examples, texts, group_size=group, step=step)
         adv = np.asarray(
             compute_advantages(
                 jnp.asarray(rewards), group_size=group, estimator=cfg.train.advantage_estimator

@@ -9,7 +9,7 @@ import pytest
 from sparserl_jax.build import build_tokenizer
 from sparserl_jax.cli import main
 from sparserl_jax.config import load_config
-from sparserl_jax.data import DataError, Example, encode_prompts
+from sparserl_jax.data import DataError, Example, RewardError, compute_rewards, encode_prompts
 from sparserl_jax.metrics import read_metrics, truncate_metrics
 from sparserl_jax.train import train
 
@@ -123,3 +123,19 @@ def test_cli_runtime_failure_is_one_line_exit_1(tmp_path, capsys, monkeypatch):
     assert err.startswith("sparserl: error: disk full second line") and err.count("\n") == 1
     with pytest.raises(RuntimeError, match="disk full"):
         main(["train", "--debug", TINY, f"run_dir={tmp_path}", *FAST])
+
+
+def test_reward_fn_error_names_step_example_and_prompt():
+    examples = [
+        Example(task="arithmetic", prompt=f"{i}+1=", answer=str(i + 1), source=f"a#{i}", index=i)
+        for i in range(3)
+    ]
+
+    def reward(example, completion):
+        if example.index == 2:
+            raise KeyError("boom")
+        return 1.0
+
+    with pytest.raises(RewardError, match=r"step 5, example 2 .*a#2.*'2\+1='.*KeyError") as info:
+        compute_rewards(reward, examples, ["x"] * 6, group_size=2, step=5)
+    assert isinstance(info.value.__cause__, KeyError)

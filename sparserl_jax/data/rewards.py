@@ -26,6 +26,10 @@ from sparserl_jax.data.records import DataError, Example
 RewardFn = Callable[[Example, str], float]
 
 
+class RewardError(RuntimeError):
+    """A reward function raised while scoring a batch; the original is its `__cause__`."""
+
+
 def gsm8k_reward(completion: str, answer: str, *, format_reward: float = 0.0) -> float:
     """1.0 when the number extracted from `completion` (`extract.extract_predicted_number`)
     equals the gold `answer` exactly; `format_reward` when a number was found but differs; else 0.
@@ -118,10 +122,13 @@ def compute_rewards(
     completions: Sequence[str],
     *,
     group_size: int = 1,
+    step: int | None = None,
 ) -> Float[np.ndarray, " BG"]:
     """Rewards of `B * G` completions, prompt-major: completion `j` answers `examples[j // G]`.
 
     This is the order of a rollout that repeats each prompt `G` times in a row (GRPO groups).
+    An exception from `reward_fn` is re-raised as a `RewardError` naming the step (when given),
+    the example's index and source and the prompt's first characters, chained to the original.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -132,5 +139,14 @@ def compute_rewards(
         )
     out = np.empty(len(completions), np.float32)
     for j, completion in enumerate(completions):
-        out[j] = reward_fn(examples[j // group_size], completion)
+        example = examples[j // group_size]
+        try:
+            out[j] = reward_fn(example, completion)
+        except Exception as e:
+            where = "" if step is None else f"step {step}, "
+            raise RewardError(
+                f"reward function failed ({where}example {j // group_size} of the batch, "
+                f"completion {j}, {example.source}, prompt {example.prompt[:40]!r}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
     return out

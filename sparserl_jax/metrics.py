@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -71,6 +72,38 @@ class MetricsWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def truncate_metrics(run_dir: str | Path, step: int) -> list[dict]:
+    """Make `<run_dir>/metrics.jsonl` read as if the run had stopped right after `step`: rows
+    with a larger step and a torn last line (a run killed mid-write) are dropped; the file is
+    rewritten atomically (temp file + rename), so a crash here leaves the old or the new file.
+    Returns the rows kept. A missing file is left missing."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines(keepends=True)
+    kept_lines, kept_rows = [], []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                break  # torn by a kill during the write
+            raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+        if int(row.get("step", 0)) > step:
+            continue
+        kept_lines.append(line if line.endswith("\n") else line + "\n")
+        kept_rows.append(row)
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        f.writelines(kept_lines)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return kept_rows
 
 
 def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -37,8 +38,14 @@ from tqdm import tqdm
 from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
 from sparserl_jax.config import Config, to_dict
-from sparserl_jax.data import compute_rewards, eval_examples, make_reward_fn, prompt_iterator
-from sparserl_jax.metrics import MetricsWriter, plot_metrics, step_metrics
+from sparserl_jax.data import (
+    compute_rewards,
+    encode_prompts,
+    eval_examples,
+    make_reward_fn,
+    prompt_iterator,
+)
+from sparserl_jax.metrics import MetricsWriter, plot_metrics, step_metrics, truncate_metrics
 from sparserl_jax.rl import Learner, LearnerState, RLBatch, compute_advantages
 from sparserl_jax.rollout import RolloutConfig, RolloutResult
 from sparserl_jax.sampler import (
@@ -52,7 +59,7 @@ from sparserl_jax.sampler import (
 from sparserl_jax.sft import sft_warm_start
 from sparserl_jax.sync import InProcessTransport, Publisher
 
-__all__ = ["rl_batch", "train"]
+__all__ = ["check_config", "rl_batch", "train"]
 
 PLOTTED = (
     "critic/score/mean",
@@ -80,8 +87,11 @@ def rl_batch(result: RolloutResult, advantages_b: np.ndarray, seq_len: int) -> R
     )
 
 
-def _check(cfg: Config) -> None:
-    """What can be checked before anything is built."""
+def check_config(cfg: Config) -> None:
+    """What can be checked before anything is built (`train` calls it first): settings that
+    contradict each other, the rollout batch against the learner's micro-batches and the
+    trainer mesh, the user's reward function (imported, signature checked). Raises ValueError
+    (or `DataError`, a ValueError) naming the settings to change."""
     rcfg = cfg.rollout
     if rcfg.temperature > 0 and rcfg.temperature != cfg.learner.loss.temperature:
         raise ValueError(
@@ -100,6 +110,21 @@ def _check(cfg: Config) -> None:
         raise ValueError(
             f"rollout.n_samples={rcfg.n_samples}: group advantages need at least 2 samples"
         )
+    trainer_mesh, _ = make_meshes(cfg.mesh, cfg.train, jax.devices())
+    shards = trainer_mesh.shape["data"] * trainer_mesh.shape["fsdp"]
+    micro = cfg.learner.num_micro_batches
+    rows = cfg.data.batch_size * rcfg.n_samples
+    if rows % (micro * shards):
+        fit = micro * shards // math.gcd(micro * shards, rcfg.n_samples)
+        raise ValueError(
+            f"the rollout batch, data.batch_size={cfg.data.batch_size} x rollout.n_samples="
+            f"{rcfg.n_samples} = {rows} rows, must be a multiple of learner.num_micro_batches "
+            f"({micro}) x the trainer mesh's data*fsdp shards ({shards} on "
+            f"{trainer_mesh.devices.size} devices): change data.batch_size, rollout.n_samples, "
+            f"learner.num_micro_batches or mesh.data/mesh.fsdp (e.g. data.batch_size={fit})"
+        )
+    if cfg.data.reward_fn is not None:
+        make_reward_fn(cfg.data)  # imports it: a bad path fails now, not after the SFT stage
 
 
 @dataclasses.dataclass
@@ -119,19 +144,20 @@ class _Run:
     reward_fn: Any
     data_it: Any
     start_step: int
+    resumed: bool
 
     def step(self, step: int) -> dict[str, Any]:
         """One RL step (the list in the module docstring); returns its metrics row."""
         t_step = time.perf_counter()
         cfg, group = self.cfg, self.rollout.n_samples
         examples = next(self.data_it).examples
-        prompts = [self.tokenizer.encode(e.prompt, add_bos=True) for e in examples]
+        prompts = encode_prompts(examples, self.tokenizer, max_len=self.rollout.max_prompt_len)
         t0 = time.perf_counter()
         result = self.sampler.rollout(prompts, step_seeds(cfg.train.seed, step, len(prompts)))
         t_gen = time.perf_counter() - t0
 
         texts = completion_texts(result, self.tokenizer)
-        rewards = compute_rewards(self.reward_fn, examples, texts, group_size=group)
+        rewards = compute_rewards(self.reward_fn, examples, texts, group_size=group, step=step)
         adv = np.asarray(
             compute_advantages(
                 jnp.asarray(rewards), group_size=group, estimator=cfg.train.advantage_estimator
@@ -249,6 +275,7 @@ def _start(cfg: Config, log_fn) -> _Run:
         reward_fn=make_reward_fn(cfg.data),
         data_it=prompt_iterator(cfg.data, state=data_state),
         start_step=start_step,
+        resumed=restored is not None,
     )
 
 
@@ -258,20 +285,28 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     `log_fn(message)` receives progress messages; `on_step(step, metrics)` is called after each
     RL step with the row written to `metrics.jsonl` (for custom logging or early stopping).
     """
-    _check(cfg)
+    check_config(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     run = _start(cfg, log_fn)
     tcfg = cfg.train
     held_out = eval_examples(cfg.data, tcfg.eval_examples) if tcfg.eval_examples else []
+    encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
+    # Idempotent outputs: rows a killed run wrote after its last checkpoint are re-run, so they
+    # are dropped; the "before" evaluation is written only if that step has no row yet.
+    write_before = True
+    if run.resumed:
+        kept = truncate_metrics(run_dir, run.start_step)
+        write_before = not any(r.get("step") == run.start_step for r in kept)
     writer = MetricsWriter(run_dir, tensorboard=tcfg.tensorboard)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": run.start_step}
 
-    def evaluate(step: int, when: str) -> None:
+    def evaluate(step: int, when: str, write: bool = True) -> None:
         val = run.sampler.evaluate(held_out, run.tokenizer, run.reward_fn)
         if val:
-            writer.write(step, val)
+            if write:
+                writer.write(step, val)
             summary[f"val_reward_{when}"] = val["val/reward_mean"]
             summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
             log_fn(
@@ -279,7 +314,7 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
                 f"{val['val/greedy_reward_mean']:.3f} (greedy)"
             )
 
-    evaluate(run.start_step, "before")
+    evaluate(run.start_step, "before", write=write_before)
     bar = None
     if tcfg.progress and tcfg.steps > run.start_step:
         bar = tqdm(

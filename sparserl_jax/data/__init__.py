@@ -50,6 +50,7 @@ from sparserl_jax.data.pipeline import (
 )
 from sparserl_jax.data.records import DataError, Example, LoadReport, PromptBatch
 from sparserl_jax.data.rewards import (
+    RewardError,
     RewardFn,
     compute_rewards,
     gsm8k_reward,
@@ -69,6 +70,7 @@ __all__ = [
     "ExpressionError",
     "LoadReport",
     "PromptBatch",
+    "RewardError",
     "RewardFn",
     "SFTBatch",
     "arithmetic_reward",

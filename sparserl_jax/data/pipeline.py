@@ -127,11 +127,29 @@ def sft_pairs(cfg: DataConfig, num: int, *, split: str = "train") -> list[tuple[
 
 
 def encode_prompts(
-    batch: PromptBatch | Sequence[Example], tokenizer, *, add_bos: bool = True
+    batch: PromptBatch | Sequence[Example],
+    tokenizer,
+    *,
+    add_bos: bool = True,
+    max_len: int | None = None,
 ) -> list[list[int]]:
-    """Token ids of each prompt (as the rollout engine takes them)."""
+    """Token ids of each prompt (as the rollout engine takes them).
+
+    With `max_len` (the rollout's `max_prompt_len`), a longer prompt is a `DataError` naming its
+    index in the batch, its source and the setting.
+    """
     examples = batch.examples if isinstance(batch, PromptBatch) else batch
-    return [tokenizer.encode(e.prompt, add_bos=add_bos) for e in examples]
+    out = []
+    for i, e in enumerate(examples):
+        ids = tokenizer.encode(e.prompt, add_bos=add_bos)
+        if max_len is not None and len(ids) > max_len:
+            raise DataError(
+                f"prompt {i} of the batch ({e.source}, {e.prompt[:40]!r}...) is {len(ids)} "
+                f"tokens, more than rollout.max_prompt_len={max_len}; raise "
+                "rollout.max_prompt_len or drop the long rows from the data"
+            )
+        out.append(ids)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

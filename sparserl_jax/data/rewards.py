@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import math
 from collections.abc import Callable, Sequence
 
@@ -23,6 +24,10 @@ from sparserl_jax.data.extract import extract_predicted_number, parse_canonical
 from sparserl_jax.data.records import DataError, Example
 
 RewardFn = Callable[[Example, str], float]
+
+
+class RewardError(RuntimeError):
+    """A reward function raised while scoring a batch; the original is its `__cause__`."""
 
 
 def gsm8k_reward(completion: str, answer: str, *, format_reward: float = 0.0) -> float:
@@ -57,7 +62,7 @@ def load_reward_fn(spec: str) -> Callable[..., object]:
     """Import `package.module:function` (the name may be dotted: `module:Class.method`).
 
     Raises `DataError` naming the spec when the module cannot be imported, the attribute does not
-    exist, or it is not callable.
+    exist, it is not callable, or its signature cannot take `(prompt, completion, answer)`.
     """
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
@@ -77,6 +82,16 @@ def load_reward_fn(spec: str) -> Callable[..., object]:
             ) from None
     if not callable(obj):
         raise DataError(f"reward_fn {spec!r} is a {type(obj).__name__}, not a callable")
+    try:
+        signature = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return obj  # a builtin without a signature: nothing to check
+    try:
+        signature.bind("prompt", "completion", "answer")
+    except TypeError as e:
+        raise DataError(
+            f"reward_fn {spec!r} cannot be called as fn(prompt, completion, answer): {e}"
+        ) from None
     return obj
 
 
@@ -107,10 +122,13 @@ def compute_rewards(
     completions: Sequence[str],
     *,
     group_size: int = 1,
+    step: int | None = None,
 ) -> Float[np.ndarray, " BG"]:
     """Rewards of `B * G` completions, prompt-major: completion `j` answers `examples[j // G]`.
 
     This is the order of a rollout that repeats each prompt `G` times in a row (GRPO groups).
+    An exception from `reward_fn` is re-raised as a `RewardError` naming the step (when given),
+    the example's index and source and the prompt's first characters, chained to the original.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
@@ -121,5 +139,14 @@ def compute_rewards(
         )
     out = np.empty(len(completions), np.float32)
     for j, completion in enumerate(completions):
-        out[j] = reward_fn(examples[j // group_size], completion)
+        example = examples[j // group_size]
+        try:
+            out[j] = reward_fn(example, completion)
+        except Exception as e:
+            where = "" if step is None else f"step {step}, "
+            raise RewardError(
+                f"reward function failed ({where}example {j // group_size} of the batch, "
+                f"completion {j}, {example.source}, prompt {example.prompt[:40]!r}): "
+                f"{type(e).__name__}: {e}"
+            ) from e
     return out

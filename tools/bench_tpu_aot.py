@@ -17,7 +17,7 @@ from benchmarks import tpu_aot
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--topologies", nargs="+", default=list(tpu_aot.TOPOLOGIES))
+    p.add_argument("--topologies", nargs="*", default=list(tpu_aot.TOPOLOGIES))
     p.add_argument("--mesh-topology", default="v5p:2x2x1", help="'' for none")
     p.add_argument("--programs", nargs="+", default=["kernels", "engine", "learner"])
     p.add_argument("--policies", nargs="+", default=list(tpu_aot.POLICIES))

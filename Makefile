@@ -37,7 +37,8 @@ $(TPU_STAMP): pyproject.toml
 
 test-tpu-aot: $(TPU_STAMP)
 	SPARSERL_REQUIRE_TPU_AOT=1 TPU_WORKER_HOSTNAMES=localhost \
-		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_tpu_aot.py
+		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_tpu_aot.py \
+		tests/test_tpu_programs.py
 
 demo: $(STAMP)
 	rm -rf runs/demo

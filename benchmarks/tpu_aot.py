@@ -1,0 +1,336 @@
+"""Ahead-of-time TPU compiles of the kernels and whole programs from a CPU host (needs libtpu).
+
+Used by `tools/bench_tpu_aot.py` and `tests/test_tpu_programs.py`. Nothing runs and no weights
+are materialised: the model, the engine's cache and slot state and the learner's state are all
+abstract (`nnx.eval_shape` / `jax.eval_shape`, ShapeDtypeStructs carrying shardings on the
+devices of a TPU topology description), and each jitted program is lowered and compiled with
+`jax.default_device(<topology device>)` so that kernel dispatch targets the TPU (Mosaic).
+
+Per program: compile status, `memory_analysis()` (argument / output / temp bytes),
+`cost_analysis()` (flops, bytes accessed), and whether the executable holds a Mosaic kernel
+(`tpu_custom_call`). `decode_roofline` compares the paged decode kernel with the XLA path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from pallas_kernels import _dispatch, compact_pages, paged_decode_attention, window_scores
+from sparserl_jax.kvcache import CompressionConfig
+from sparserl_jax.models import ModelConfig, Transformer, model_preset
+from sparserl_jax.parallel import MeshConfig, make_mesh, state_shardings
+from sparserl_jax.rl.config import LearnerConfig
+from sparserl_jax.rl.learner import Learner, LearnerState, RLBatch
+from sparserl_jax.rollout import RolloutConfig, RolloutEngine
+
+TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
+POLICIES = ("none", "streaming", "snapkv", "h2o", "rkv")
+
+# Published per-chip peaks (HBM bandwidth in bytes/s, dense bf16 FLOP/s), from Google Cloud's
+# TPU system-architecture pages (cloud.google.com/tpu/docs/v5e, /v5p, /v6e): v5e 819 GB/s and
+# 197 TFLOP/s, v5p 2765 GB/s and 459 TFLOP/s, v6e (Trillium) 1640 GB/s and 918 TFLOP/s.
+PEAKS = {"v5e": (819e9, 197e12), "v5p": (2765e9, 459e12), "v6e": (1640e9, 918e12)}
+
+GiB = 2**30
+
+
+def topology_devices(name: str) -> list:
+    """The devices of TPU topology `name` (e.g. "v5p:2x2x1"); raises without libtpu."""
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(name, "tpu").devices)
+
+
+def chip(name: str) -> str:
+    return name.split(":")[0]
+
+
+def summarize(compiled) -> dict[str, Any]:
+    """Memory and cost figures of a compiled executable, and whether it holds a Mosaic kernel."""
+    mem = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):  # older jax: one dict per program
+        cost = cost[0] if cost else {}
+    cost = cost or {}
+    return {
+        "argument_bytes": int(mem.argument_size_in_bytes),
+        "output_bytes": int(mem.output_size_in_bytes),
+        "alias_bytes": int(mem.alias_size_in_bytes),
+        "temp_bytes": int(mem.temp_size_in_bytes),
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "mosaic": "tpu_custom_call" in compiled.as_text(),
+    }
+
+
+def compile_program(device, fn: Callable, *args) -> dict[str, Any]:
+    """Lower and compile jitted `fn` on abstract `args` for `device`'s TPU; never raises: a
+    failure is reported as {"ok": False, "error": ...}."""
+    start = time.perf_counter()
+    try:
+        with jax.default_device(device):
+            assert _dispatch.target_platform() == "tpu"
+            compiled = fn.lower(*args).compile()
+        out = {"ok": True, **summarize(compiled)}
+    except Exception as e:  # a compile failure is a finding, reported, not raised
+        out = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:2000]}"}
+    out["compile_s"] = round(time.perf_counter() - start, 1)
+    return out
+
+
+def _struct(x, sharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+
+def _place(tree, shardings) -> Any:
+    """ShapeDtypeStructs of `tree` with `shardings` (one sharding, or a matching tree)."""
+    if not isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(_struct, tree, shardings)
+    return jax.tree.map(lambda x: _struct(x, shardings), tree)
+
+
+def _abstract_model(cfg: ModelConfig) -> nnx.Module:
+    return nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+
+
+def _mesh(devices: list) -> Mesh | None:
+    return None if len(devices) == 1 else make_mesh(MeshConfig(fsdp=-1), devices)
+
+
+# ---- the rollout engine ------------------------------------------------------------------------
+
+
+def engine_config(policy: str, *, slots=64, prompt=256, new=2048, page=16, budget=512):
+    kv = None if policy == "none" else CompressionConfig(policy=policy, budget=budget)
+    return RolloutConfig(
+        num_slots=slots, max_prompt_len=prompt, max_new_tokens=new, page_size=page, kv=kv
+    )
+
+
+def engine_programs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) -> dict:
+    """Compile the engine's prefill and decode chunk for `devices` (one chip, or a mesh where
+    the weights are laid out by the logical-axis rules and the paged cache and slot state are
+    replicated: the page pool is shared by all slots, so it has no batch axis to split)."""
+    abstract = _abstract_model(model_cfg)
+    engine = RolloutEngine(abstract, rcfg)
+    cache, slots = jax.eval_shape(engine._init)
+    mesh = _mesh(devices)
+    if mesh is None:
+        rep = param_sh = SingleDeviceSharding(devices[0])
+    else:
+        rep = NamedSharding(mesh, PartitionSpec())
+        param_sh = nnx.to_pure_dict(state_shardings(nnx.state(abstract), mesh))
+    params = _place(engine.default_params, param_sh)
+    cache, slots = _place((cache, slots), rep)
+    s, p = rcfg.num_slots, rcfg.max_prompt_len
+    prefill_in = _place(
+        (
+            jax.ShapeDtypeStruct((s, p), jnp.int32),
+            jax.ShapeDtypeStruct((s,), jnp.int32),
+            jax.ShapeDtypeStruct((s,), jnp.bool_),
+            jax.ShapeDtypeStruct((s, 4), jnp.uint32),
+        ),
+        rep,
+    )
+    return {
+        "prefill": compile_program(devices[0], engine._prefill, params, cache, slots, *prefill_in),
+        "decode_chunk": compile_program(devices[0], engine._chunk, params, cache, slots),
+    }
+
+
+# ---- the learner -------------------------------------------------------------------------------
+
+
+def learner_program(
+    model_cfg: ModelConfig, lcfg: LearnerConfig, devices: list, *, batch=8, seq_len=2048
+) -> dict:
+    """Compile `Learner`'s step (fp32 master weights, AdamW state, no reference logprobs)."""
+    abstract = _abstract_model(model_cfg.replace(param_dtype="float32"))
+    mesh = _mesh(devices)
+    learner = Learner(abstract, lcfg, mesh=mesh)
+    params = nnx.to_pure_dict(nnx.state(abstract))
+
+    def build(p):
+        zero = jnp.zeros((), jnp.int32)
+        return LearnerState(p, learner.tx.init(p), learner.gate.init(), zero, zero, zero)
+
+    state = jax.eval_shape(build, params)
+    b, t = batch, seq_len
+    rl_batch = RLBatch(
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+        jax.ShapeDtypeStruct((b, t), jnp.bool_),
+        jax.ShapeDtypeStruct((b,), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+        None,
+    )
+    pass_index = jax.ShapeDtypeStruct((), jnp.int32)
+    if mesh is None:
+        one = SingleDeviceSharding(devices[0])
+        state, rl_batch, pass_index = _place((state, rl_batch, pass_index), one)
+    else:
+        state = _place(state, learner.state_shardings)
+        bs = functools.partial(learner._batch_sharding, mesh)
+        rl_batch = RLBatch(*(_struct(x, bs(len(x.shape))) for x in rl_batch[:5]), None)
+        pass_index = _struct(pass_index, NamedSharding(mesh, PartitionSpec()))
+    return compile_program(devices[0], learner._compiled_step(False), state, rl_batch, pass_index)
+
+
+# ---- kernels and the decode roofline -----------------------------------------------------------
+
+
+def _kernel_structs(device, *shapes_dtypes):
+    sh = SingleDeviceSharding(device)
+    return [jax.ShapeDtypeStruct(s, d, sharding=sh) for s, d in shapes_dtypes]
+
+
+def decode_shapes(cfg: ModelConfig, *, slots: int, seq_len: int, page: int) -> tuple:
+    """Paged-attention operands of one layer's decode step: every slot holds `seq_len` tokens."""
+    k, h = cfg.num_kv_heads, cfg.head_dim
+    m = -(-seq_len // page)
+    dt = jnp.dtype(cfg.dtype)
+    return (
+        ((slots, cfg.num_heads, h), dt),
+        ((slots * m, page, k, h), dt),
+        ((slots * m, page, k, h), dt),
+        ((slots, m), jnp.int32),
+        ((slots,), jnp.int32),
+    )
+
+
+def kernel_programs(cfg: ModelConfig, device, *, slots=64, seq_len=2304, page=16, window=8):
+    """Compile each kernel at the preset's heads (paged decode also with impl="xla")."""
+    attn = decode_shapes(cfg, slots=slots, seq_len=seq_len, page=page)
+    q, kp, _, table, lens = attn
+    out = {}
+    for impl in ("auto", "xla"):
+        fn = jax.jit(functools.partial(paged_decode_attention, return_probs=False, impl=impl))
+        out[f"paged_decode[{impl}]"] = compile_program(device, fn, *_kernel_structs(device, *attn))
+    wq = ((slots, window, cfg.num_heads, cfg.head_dim), q[1])
+    ws = _kernel_structs(device, wq, kp, table, lens, lens)
+    out["window_scores"] = compile_program(device, jax.jit(window_scores), *ws)
+    keep = ((slots, cfg.num_kv_heads, table[0][1] * page // 4), jnp.int32)
+    cs = _kernel_structs(device, kp, table, keep, lens)
+    out["compact_pages"] = compile_program(device, jax.jit(compact_pages), *cs)
+    return out
+
+
+def decode_roofline(
+    cfg: ModelConfig, topology: str, kernels: dict, *, slots: int, seq_len: int
+) -> dict:
+    """Roofline time of one layer's paged decode attention: max(bytes / HBM bandwidth,
+    flops / peak bf16). The Mosaic call is opaque to XLA's cost model, so its figure is the
+    analytic minimum (read every live K and V once, write the output); the XLA path's figure
+    is XLA's own `bytes accessed` (the gathered pages are materialised, then read again)."""
+    bw, peak = PEAKS[chip(topology)]
+    item = jnp.dtype(cfg.dtype).itemsize
+    k, g, h = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+    kv_bytes = 2 * slots * seq_len * k * h * item
+    qo_bytes = 2 * slots * k * g * h * item
+    flops = 4 * slots * k * g * seq_len * h  # q.k and p.v, 2 flops per multiply-add
+    rows = {}
+    for impl, key in (("pallas", "paged_decode[auto]"), ("xla", "paged_decode[xla]")):
+        got = kernels.get(key, {})
+        if impl == "xla" and got.get("ok"):
+            b, f = got["bytes_accessed"], max(got["flops"], flops)
+        else:
+            b, f = kv_bytes + qo_bytes, flops
+        t_mem, t_flop = b / bw, f / peak
+        rows[impl] = {
+            "bytes": b,
+            "flops": f,
+            "t_hbm_us": round(t_mem * 1e6, 2),
+            "t_flops_us": round(t_flop * 1e6, 2),
+            "roofline_us": round(max(t_mem, t_flop) * 1e6, 2),
+            "bound": "memory" if t_mem >= t_flop else "compute",
+        }
+    per_step = {k_: v["roofline_us"] * cfg.num_layers for k_, v in rows.items()}
+    return {"per_layer": rows, "decode_step_attention_us": per_step}
+
+
+def qwen_05b(dtype: str = "bfloat16", remat: bool = True) -> ModelConfig:
+    return model_preset("qwen2.5-0.5b").replace(dtype=dtype, param_dtype=dtype, remat=remat)
+
+
+def force_xla_env() -> Callable[[], None]:
+    """Set SPARSERL_KERNEL_IMPL=xla; returns the undo."""
+    before = os.environ.get(_dispatch.KERNEL_IMPL_ENV)
+    os.environ[_dispatch.KERNEL_IMPL_ENV] = "xla"
+
+    def undo():
+        if before is None:
+            os.environ.pop(_dispatch.KERNEL_IMPL_ENV, None)
+        else:
+            os.environ[_dispatch.KERNEL_IMPL_ENV] = before
+
+    return undo
+
+
+def run_all(
+    topologies=TOPOLOGIES,
+    *,
+    policies=POLICIES,
+    programs=("kernels", "engine", "learner"),
+    mesh_topology: str | None = "v5p:2x2x1",
+    model_cfg: ModelConfig | None = None,
+    slots=64,
+    prompt=256,
+    new=2048,
+    page=16,
+    budget=512,
+    batch=8,
+    seq_len=2048,
+    micro_batches=2,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """Every requested program on one chip of each topology (and, for the engine and learner,
+    on the whole `mesh_topology` with fsdp over its chips). Returns the nested results."""
+    cfg = model_cfg or qwen_05b()
+    lcfg = LearnerConfig(num_micro_batches=micro_batches)
+    targets = [(t, 1) for t in topologies]
+    if mesh_topology:
+        targets.append((mesh_topology, len(topology_devices(mesh_topology))))
+    results: dict[str, Any] = {"targets": {}}
+    for topo, n in targets:
+        devices = topology_devices(topo)[:n]
+        key = f"{topo}/{n}chip"
+        res = results["targets"].setdefault(key, {})
+        if "kernels" in programs and n == 1:
+            kern = kernel_programs(cfg, devices[0], slots=slots, seq_len=prompt + new, page=page)
+            res["kernels"] = kern
+            res["roofline"] = decode_roofline(cfg, topo, kern, slots=slots, seq_len=prompt + new)
+            log(f"{key} kernels {_brief(kern)}")
+        if "engine" in programs:
+            for policy in policies:
+                rc = engine_config(
+                    policy, slots=slots, prompt=prompt, new=new, page=page, budget=budget
+                )
+                res[f"engine[{policy}]"] = got = engine_programs(cfg, rc, devices)
+                log(f"{key} engine[{policy}] {_brief(got)}")
+        if "learner" in programs:
+            res["learner"] = got = learner_program(cfg, lcfg, devices, batch=batch, seq_len=seq_len)
+            log(f"{key} learner {_brief({'step': got})}")
+    return results
+
+
+def _brief(named: dict) -> str:
+    parts = []
+    for name, r in named.items():
+        if not r.get("ok"):
+            parts.append(f"{name}: FAILED ({r.get('error', '')[:200]})")
+            continue
+        mem = (r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]) / GiB
+        parts.append(
+            f"{name}: ok {r['compile_s']}s mem {mem:.2f} GiB "
+            f"{r['flops'] / 1e9:.1f} GFLOP mosaic={r['mosaic']}"
+        )
+    return "; ".join(parts)

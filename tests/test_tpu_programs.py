@@ -8,48 +8,27 @@ test-tpu-aot`), like tests/kernels/test_tpu_aot.py.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-import jax
 import pytest
 
 from benchmarks import tpu_aot
-from sparserl_jax.models import ModelConfig
+from sparserl_jax.models import model_preset
 from sparserl_jax.rl.config import LearnerConfig
+from sparserl_jax.testing import tpu
 
 pytestmark = pytest.mark.slow
 
-SMALL = ModelConfig(
-    family="qwen2", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=64, intermediate_size=256, qkv_bias=True, tie_embeddings=True,
-    dtype="bfloat16", param_dtype="bfloat16", remat=True,
-)  # fmt: skip
+SMALL = model_preset("tpu-lanes-small", dtype="bfloat16", param_dtype="bfloat16", remat=True)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_persistent_cache():
-    # Executables compiled for a topology (no client) cannot be read back from the cache.
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", before)
-
-
-def _unavailable(reason: str):
-    if os.environ.get("SPARSERL_REQUIRE_TPU_AOT"):
-        pytest.fail(f"SPARSERL_REQUIRE_TPU_AOT is set but {reason}")
-    pytest.skip(reason)
+    with tpu.no_persistent_cache():
+        yield
 
 
 @pytest.fixture(scope="module")
 def v5p():
-    if importlib.util.find_spec("libtpu") is None:
-        _unavailable("libtpu is not installed (pip install -e '.[tpu]', or `make test-tpu-aot`)")
-    try:
-        return tpu_aot.topology_devices("v5p:2x2x1")
-    except Exception as e:  # no TPU plugin / unknown topology in this jax
-        _unavailable(f"TPU topology v5p:2x2x1 is unavailable: {e}")
+    return list(tpu.topology("v5p:2x2x1").devices)
 
 
 def _check(result: dict, *, mosaic: bool | None = None):

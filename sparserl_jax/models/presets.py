@@ -117,6 +117,12 @@ _PRESETS = {
         vocab_size=8192, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2,
         head_dim=64, intermediate_size=1408, tie_embeddings=True,
     ),
+    # tests/test_tpu_programs.py: 2 kv heads of dim 64 (as Qwen2.5-0.5B), so a TPU decode
+    # step packs them into one 128-lane block and runs the Mosaic kernels.
+    "tpu-lanes-small": ModelConfig(
+        family="qwen2", vocab_size=512, hidden_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, head_dim=64, intermediate_size=256, qkv_bias=True, tie_embeddings=True,
+    ),
 }  # fmt: skip
 
 MODEL_PRESETS: Mapping[str, ModelConfig] = MappingProxyType(_PRESETS)

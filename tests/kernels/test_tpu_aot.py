@@ -9,14 +9,12 @@ when `SPARSERL_REQUIRE_TPU_AOT` is set (as `make test-tpu-aot` does, so CI canno
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import jax.numpy as jnp
 import pytest
 
 from pallas_kernels import _dispatch, compact_pages, paged_decode_attention, window_scores
+from sparserl_jax.testing import tpu
 
 pytestmark = pytest.mark.slow
 
@@ -34,31 +32,13 @@ ATTN_SHAPES = [
 
 @pytest.fixture(scope="module", autouse=True)
 def _no_persistent_cache():
-    # Executables compiled for a topology (no client) cannot be read back from JAX's persistent
-    # cache, which then warns on every hit: keep them out of it.
-    before = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    yield
-    jax.config.update("jax_enable_compilation_cache", before)
-
-
-def _unavailable(reason: str):
-    if os.environ.get("SPARSERL_REQUIRE_TPU_AOT"):
-        pytest.fail(f"SPARSERL_REQUIRE_TPU_AOT is set but {reason}")
-    pytest.skip(reason)
+    with tpu.no_persistent_cache():
+        yield
 
 
 @pytest.fixture(scope="module", params=TOPOLOGIES)
 def device(request):
-    if importlib.util.find_spec("libtpu") is None:
-        _unavailable("libtpu is not installed (pip install -e '.[tpu]', or `make test-tpu-aot`)")
-    from jax.experimental import topologies
-
-    try:
-        topo = topologies.get_topology_desc(request.param, "tpu")
-    except Exception as e:  # no TPU plugin / unknown topology in this jax
-        _unavailable(f"TPU topology {request.param} is unavailable: {e}")
-    return topo.devices[0]
+    return tpu.topology(request.param).devices[0]
 
 
 def _compiled_text(device, fn, *shapes_dtypes):

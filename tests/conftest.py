@@ -17,12 +17,20 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # A cached executable is the one XLA compiled for the same HLO, flags and devices: results are
 # unchanged, and later runs (and children that compile what their parent did) skip XLA.
-os.environ.setdefault(
-    "JAX_COMPILATION_CACHE_DIR",
-    os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"),
-)
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# A size cap turns on JAX's file lock, so the xdist workers and child processes sharing the
+# directory never read an entry another is still writing, and keeps the directory bounded.
+# CI (CI=true) runs without it: one run from a fresh clone gains little, and a worker abort seen
+# once there with the unlocked cache was not reproduced; SPARSERL_TEST_COMPILATION_CACHE=1/0
+# forces it on or off.
+_cache = os.environ.get("SPARSERL_TEST_COMPILATION_CACHE", "0" if os.environ.get("CI") else "1")
+if _cache == "1":
+    os.environ.setdefault(
+        "JAX_COMPILATION_CACHE_DIR",
+        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"),
+    )
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
 
 import jax  # noqa: E402
 

@@ -17,7 +17,7 @@ from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rl.learner import Learner
 from sparserl_jax.testing import tiny_model
 from sparserl_jax.testing.learner import make_batch
-from sparserl_jax.train import _check as check_config
+from sparserl_jax.train import check_config
 
 # Row 0: log rho = [0.1, -0.5, 0.3] on three tokens; row 1: one token, log rho = 2.0;
 # row 2: an all-masked (empty) response.

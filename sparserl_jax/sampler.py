@@ -146,13 +146,15 @@ class Sampler:
             prompts, params=self.params(), weight_version=self.version, seeds=seeds
         )
 
-    def evaluate(self, examples: list[Example], tokenizer, reward_fn) -> dict[str, float]:
-        """Held-out reward of the held weights: the mean over a group of completions per prompt
-        sampled like the training rollouts, with fixed seeds (`val/reward_mean`: the policy RL
-        improves), and of one greedy completion per prompt (`val/greedy_reward_mean`)."""
+    def evaluate(
+        self, examples: list[Example], prompts: list[list[int]], tokenizer, reward_fn
+    ) -> dict[str, float]:
+        """Held-out reward of the held weights on `examples` (`prompts`: their token ids): the
+        mean over a group of completions per prompt sampled like the training rollouts, with
+        fixed seeds (`val/reward_mean`: the policy RL improves), and of one greedy completion
+        per prompt (`val/greedy_reward_mean`)."""
         if not examples:
             return {}
-        prompts = [tokenizer.encode(e.prompt, add_bos=True) for e in examples]
         params = self.params()
         seeds = list(range(len(prompts)))
         out = {}

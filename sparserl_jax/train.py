@@ -46,7 +46,7 @@ from sparserl_jax.data import (
     prompt_iterator,
 )
 from sparserl_jax.metrics import MetricsWriter, plot_metrics, step_metrics, truncate_metrics
-from sparserl_jax.rl import Learner, LearnerState, RLBatch, compute_advantages
+from sparserl_jax.rl import Learner, LearnerState, RLBatch, batch_shards, compute_advantages
 from sparserl_jax.rollout import RolloutConfig, RolloutResult
 from sparserl_jax.sampler import (
     Sampler,
@@ -111,7 +111,7 @@ def check_config(cfg: Config) -> None:
             f"rollout.n_samples={rcfg.n_samples}: group advantages need at least 2 samples"
         )
     trainer_mesh, _ = make_meshes(cfg.mesh, cfg.train, jax.devices())
-    shards = trainer_mesh.shape["data"] * trainer_mesh.shape["fsdp"]
+    shards = batch_shards(trainer_mesh)
     micro = cfg.learner.num_micro_batches
     rows = cfg.data.batch_size * rcfg.n_samples
     if rows % (micro * shards):
@@ -167,11 +167,7 @@ class _Run:
 
         t0 = time.perf_counter()
         bypass = cfg.learner.correction.bypass
-        if bypass:
-            # pi_old := mu: the dense sampler in sync scored these tokens with the published
-            # weights already; skipping the recompute saves a full forward pass.
-            batch = batch._replace(old_logp_bt=batch.sampler_logp_bt)
-        else:
+        if not bypass:  # with bypass the learner takes pi_old := mu (no recompute)
             old_params = published_params(
                 self.publisher.sent_bits, self.state.params, cfg.sync.jnp_publish_dtype
             )
@@ -292,7 +288,7 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     run = _start(cfg, log_fn)
     tcfg = cfg.train
     held_out = eval_examples(cfg.data, tcfg.eval_examples) if tcfg.eval_examples else []
-    encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
+    held_prompts = encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
     # Idempotent outputs: rows a killed run wrote after its last checkpoint are re-run, so they
     # are dropped; the "before" evaluation is written only if that step has no row yet.
     write_before = True
@@ -303,7 +299,7 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": run.start_step}
 
     def evaluate(step: int, when: str, write: bool = True) -> None:
-        val = run.sampler.evaluate(held_out, run.tokenizer, run.reward_fn)
+        val = run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn)
         if val:
             if write:
                 writer.write(step, val)
@@ -328,7 +324,9 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
             metrics = run.step(step)
             rewards_seen.append(metrics["critic/score/mean"])
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
-                metrics.update(run.sampler.evaluate(held_out, run.tokenizer, run.reward_fn))
+                metrics.update(
+                    run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn)
+                )
             row = writer.write(step, metrics)
             if on_step is not None:
                 on_step(step, row)

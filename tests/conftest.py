@@ -11,6 +11,14 @@ import os
 os.environ.setdefault("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
     os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=8"
+# The 8 fake devices' collectives meet in a rendezvous that XLA:CPU aborts the process on after
+# 40 s; two test workers on a 2-core machine can starve a device thread that long (seen as
+# "Fatal Python error: Aborted" in sharded tests). Give them 10 minutes.
+if "xla_cpu_collective_call_terminate_timeout_seconds" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += (
+        " --xla_cpu_collective_call_terminate_timeout_seconds=600"
+        " --xla_cpu_collective_timeout_seconds=600"
+    )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -19,9 +27,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # unchanged, and later runs (and children that compile what their parent did) skip XLA.
 # A size cap turns on JAX's file lock, so the xdist workers and child processes sharing the
 # directory never read an entry another is still writing, and keeps the directory bounded.
-# CI (CI=true) runs without it: one run from a fresh clone gains little, and a worker abort seen
-# once there with the unlocked cache was not reproduced; SPARSERL_TEST_COMPILATION_CACHE=1/0
-# forces it on or off.
+# CI (CI=true) runs without it (one run from a fresh clone gains little);
+# SPARSERL_TEST_COMPILATION_CACHE=1/0 forces it on or off.
 _cache = os.environ.get("SPARSERL_TEST_COMPILATION_CACHE", "0" if os.environ.get("CI") else "1")
 if _cache == "1":
     os.environ.setdefault(

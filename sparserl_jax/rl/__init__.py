@@ -41,6 +41,7 @@ from sparserl_jax.rl.learner import (
     Learner,
     LearnerState,
     RLBatch,
+    batch_shards,
     train_step,
 )
 from sparserl_jax.rl.losses import (
@@ -97,6 +98,7 @@ __all__ = [
     "PolicyLoss",
     "REJECTION_CRITERIA",
     "RLBatch",
+    "batch_shards",
     "RejectionCriterion",
     "SparseRLCorrection",
     "SparseRLCorrectionConfig",

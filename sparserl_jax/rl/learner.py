@@ -258,6 +258,12 @@ def train_step(
     return new_state, metrics
 
 
+def batch_shards(mesh: Mesh | None) -> int:
+    """How many shards a learner batch's rows are split over: data x fsdp (1 without a mesh).
+    A batch must hold a multiple of `num_micro_batches` x this many rows."""
+    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
+
+
 class Learner:
     """Holds what is static about the learner (graph, config, optimizer, shardings) and the
     jitted step; all state lives in `LearnerState`.
@@ -358,7 +364,7 @@ class Learner:
 
     def _check_batch_size(self, b: int) -> None:
         m = self.config.num_micro_batches
-        shards = 1 if self.mesh is None else self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        shards = batch_shards(self.mesh)
         if b % (m * shards):
             raise ValueError(
                 f"batch size {b} must be a multiple of num_micro_batches ({m}) x data*fsdp "

@@ -57,7 +57,7 @@ from sparserl_jax.sampler import (
     step_seeds,
 )
 from sparserl_jax.sft import sft_warm_start
-from sparserl_jax.sync import InProcessTransport, Publisher
+from sparserl_jax.sync import InProcessTransport, Publisher, new_run_id
 
 __all__ = ["check_config", "rl_batch", "train"]
 
@@ -206,6 +206,7 @@ class _Run:
         meta = {
             "data_state": _jsonable(self.data_it.get_state()),
             "sync_version": self.publisher.version,
+            "sync_run_id": self.publisher.run_id,
         }
         self.ckpt.save(step, {"learner": self.state}, meta)
 
@@ -224,7 +225,7 @@ def _start(cfg: Config, log_fn) -> _Run:
     ckpt = CheckpointManager(
         cfg.run_dir, keep=tcfg.keep_checkpoints, async_save=tcfg.async_checkpoint
     )
-    start_step, data_state, sync_version = 0, None, 0
+    start_step, data_state, sync_version, run_id = 0, None, 0, new_run_id()
     restored = None
     if tcfg.resume and ckpt.steps():
         restored = ckpt.restore_latest({"learner": learner.init(model)})
@@ -232,6 +233,7 @@ def _start(cfg: Config, log_fn) -> _Run:
         state, meta = restored[0]["learner"], restored[1]
         start_step, data_state = int(meta["step"]), meta.get("data_state")
         sync_version = int(meta.get("sync_version", 0))
+        run_id = meta.get("sync_run_id", run_id)  # the sync run id survives a restart
         log_fn(f"resumed from {ckpt.directory} at step {start_step}")
     else:
         if cfg.sft.steps:
@@ -243,12 +245,14 @@ def _start(cfg: Config, log_fn) -> _Run:
             )
         state = learner.init(model)
         # Step 0 = after the warm start: a run killed later never repeats the SFT stage.
-        ckpt.save(0, {"learner": state}, {"data_state": None, "sync_version": 0})
+        ckpt.save(
+            0, {"learner": state}, {"data_state": None, "sync_version": 0, "sync_run_id": run_id}
+        )
 
     # The sync's baseline is bf16(master), re-derived exactly from the restored master; the
     # version numbering continues from the checkpoint (a new chain starts with an anchor).
     transport = InProcessTransport()
-    publisher = Publisher(transport, config=cfg.sync, start_version=sync_version)
+    publisher = Publisher(transport, config=cfg.sync, start_version=sync_version, run_id=run_id)
     sampler = Sampler.create(
         learner.model(state.params),
         state.params,

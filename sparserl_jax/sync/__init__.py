@@ -6,15 +6,18 @@ them, and a `Receiver` validates and applies them bit-exactly on the sampler's d
 
 from sparserl_jax.sync.codec import CodecConfig, Patch, TensorPatch, TensorSpec, decode, encode
 from sparserl_jax.sync.errors import (
+    BaseMismatchError,
     CorruptPatchError,
     DuplicatePatchError,
     MissingVersionError,
     OutOfOrderPatchError,
+    RunMismatchError,
     SyncError,
     TruncatedPatchError,
     VersionError,
 )
 from sparserl_jax.sync.extract import LeafChanges, extract_changes
+from sparserl_jax.sync.header import new_run_id
 from sparserl_jax.sync.loco import (
     LoCoConfig,
     ddp_bytes,
@@ -53,6 +56,7 @@ from sparserl_jax.sync.transport import (
 
 __all__ = [
     "ApplyEvent",
+    "BaseMismatchError",
     "CodecConfig",
     "CorruptPatchError",
     "DuplicatePatchError",
@@ -67,6 +71,7 @@ __all__ = [
     "Published",
     "Publisher",
     "Receiver",
+    "RunMismatchError",
     "RoundStats",
     "StreamClient",
     "StreamServer",
@@ -88,6 +93,7 @@ __all__ = [
     "leaf_names",
     "mean_of_dense",
     "mean_of_payloads",
+    "new_run_id",
     "outer_update",
     "payload_bytes",
     "pseudo_gradient",

@@ -11,19 +11,19 @@ would not be smaller, and for anchors). Multi-byte gaps and values are split int
 that the mostly-zero high bytes compress (PULSE's "type downscaling", SparseRL-Sync's int16 gaps;
 XOR values as in HF TRL's proposals). Tensors are packed into buckets of about `bucket_bytes`;
 each bucket holds nine streams `g0..g3, v0..v3, d`, each optionally a zstd frame, and carries a
-blake2b-128 checksum of its stored bytes. The header carries the format version, base and new
-version, the tensor manifest with offsets, per-leaf digests and the digest of the whole new state.
+blake2b-128 checksum of its stored bytes. The header (`header.py`) carries the format version,
+the publishing run's id, base and new version, the digest of the base state (patches), the
+tensor manifest with offsets, per-leaf digests and the digest of the whole new state.
 
 `decode` validates everything (structure, checksums, sizes, offsets, index ranges and order) and
-raises `CorruptPatchError`/`TruncatedPatchError` before returning anything.
+raises `CorruptPatchError`/`TruncatedPatchError` before returning anything; every size it reads is
+bounded (by the manifest's shapes or a configured maximum) before it allocates or inflates.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import struct
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
@@ -31,16 +31,24 @@ import numpy as np
 
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
 from sparserl_jax.sync.extract import LeafChanges
+from sparserl_jax.sync.header import (
+    FORMAT_VERSION,
+    GAP_WIDTHS,
+    MAX_HEADER_BYTES,
+    PREFIX_BYTES,
+    STREAMS,
+    TensorSpec,
+    bucket_table,
+    check_run_id,
+    pack_header,
+    parse_spec,
+    read_header,
+    stream_sizes,
+)
+from sparserl_jax.sync.header import ITEMSIZES as ITEMSIZES  # re-exported
+from sparserl_jax.sync.header import corrupt_unless as _check
+from sparserl_jax.sync.header import is_uint as _int
 from sparserl_jax.sync.planes import byte_planes, entropy_bytes, from_planes, uint_dtype
-
-MAGIC = b"PSYN"
-FORMAT_VERSION = 1
-PREFIX_BYTES = 4 + 4 + 16
-STREAMS = ("g0", "g1", "g2", "g3", "v0", "v1", "v2", "v3", "d")
-GAP_WIDTHS = (1, 2, 4)
-ITEMSIZES = {"bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
-             "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,
-             "int32": 4, "uint32": 4, "float32": 4}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -73,23 +81,6 @@ class CodecConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """Name, global shape and published dtype name of one leaf."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def itemsize(self) -> int:
-        return ITEMSIZES[self.dtype]
-
-
-@dataclasses.dataclass(frozen=True)
 class TensorPatch:
     """A decoded, validated tensor entry. `bits` are values (new or XOR) or the dense array."""
 
@@ -110,6 +101,8 @@ class Patch:
     state_digest: str
     leaf_digests: dict[str, np.ndarray]
     tensors: dict[str, TensorPatch]
+    run_id: str | None = None
+    base_digest: str | None = None
 
 
 def state_digest(specs: Sequence[TensorSpec], leaf_digests: Mapping[str, np.ndarray]) -> str:
@@ -158,16 +151,22 @@ def encode(
     dense_bits: Callable[[str], np.ndarray],
     leaf_digests: Mapping[str, np.ndarray],
     config: CodecConfig,
+    run_id: str | None = None,
+    base_digest: str | None = None,
 ) -> bytes:
     """Encode one patch (`changes` per leaf) or anchor (`changes=None`: every leaf dense).
 
     `dense_bits(name)` returns a leaf's full new bits on the host; it is called only for leaves
-    sent dense. `leaf_digests` are the per-leaf digests of the new published state.
+    sent dense. `leaf_digests` are the per-leaf digests of the new published state. `run_id`
+    names the publishing run and `base_digest` (patches only) is the `state_digest` of the state
+    the patch applies to; a receiver checks both before decoding (None: not stated).
     """
-    if kind == "anchor" and (changes is not None or base_version is not None):
-        raise ValueError("an anchor has no base_version and no changes")
+    if kind == "anchor" and (changes is not None or base_version is not None or base_digest):
+        raise ValueError("an anchor has no base_version, base_digest or changes")
     if kind == "patch" and (changes is None or base_version is None):
         raise ValueError("a patch needs base_version and changes")
+    if run_id is not None:
+        check_run_id(run_id)
     entries: list[tuple[dict, dict[str, list[np.ndarray]]]] = []
     for s in specs:
         entry: dict = {"name": s.name, "shape": list(s.shape), "dtype": s.dtype}
@@ -244,82 +243,25 @@ def encode(
     header = {
         "format": FORMAT_VERSION,
         "kind": kind,
+        "run_id": run_id,
         "base_version": base_version,
+        "base_digest": base_digest,
         "new_version": new_version,
         "compression": config.compression,
         "state_digest": state_digest(specs, leaf_digests),
         "tensors": manifest,
         "buckets": buckets_meta,
     }
-    hbytes = json.dumps(header, separators=(",", ":")).encode()
-    hsum = hashlib.blake2b(hbytes, digest_size=16).digest()
-    return b"".join([MAGIC, struct.pack("<I", len(hbytes)), hsum, hbytes, *bucket_blobs])
-
-
-def read_header(blob: bytes) -> dict:
-    """Parse and checksum the header only (cheap: used to route a patch before decoding it)."""
-    if len(blob) < PREFIX_BYTES:
-        raise TruncatedPatchError(
-            f"patch has {len(blob)} bytes, fewer than the {PREFIX_BYTES}-byte prefix"
-        )
-    if blob[:4] != MAGIC:
-        raise CorruptPatchError(f"bad magic {bytes(blob[:4])!r}; expected {MAGIC!r}")
-    (hlen,) = struct.unpack("<I", blob[4:8])
-    if len(blob) < PREFIX_BYTES + hlen:
-        raise TruncatedPatchError(
-            f"patch has {len(blob)} bytes but its header needs {PREFIX_BYTES + hlen}"
-        )
-    hbytes = bytes(blob[PREFIX_BYTES : PREFIX_BYTES + hlen])
-    if hashlib.blake2b(hbytes, digest_size=16).digest() != blob[8:24]:
-        raise CorruptPatchError("header checksum mismatch")
-    try:
-        header = json.loads(hbytes)
-    except ValueError as e:
-        raise CorruptPatchError(f"header is not valid JSON: {e}") from e
-    if header.get("format") != FORMAT_VERSION:
-        raise CorruptPatchError(
-            f"format version {header.get('format')!r}; this reader knows {FORMAT_VERSION}"
-        )
-    if header.get("kind") not in ("patch", "anchor"):
-        raise CorruptPatchError(f"kind {header.get('kind')!r}; expected patch or anchor")
-    return header
-
-
-def _check(cond: bool, msg: str) -> None:
-    if not cond:
-        raise CorruptPatchError(msg)
-
-
-def _parse_spec(entry: dict, i: int) -> TensorSpec:
-    _check(isinstance(entry, dict), f"manifest entry {i} is not an object")
-    name, shape, dtype = entry.get("name"), entry.get("shape"), entry.get("dtype")
-    _check(isinstance(name, str), f"manifest entry {i}: bad name {name!r}")
-    _check(
-        isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape),
-        f"tensor {name}: bad shape {shape!r}",
-    )
-    _check(dtype in ITEMSIZES, f"tensor {name}: dtype {dtype!r} not in {sorted(ITEMSIZES)}")
-    return TensorSpec(name, tuple(shape), dtype)
+    return b"".join([pack_header(header), *bucket_blobs])
 
 
 def _split_bucket(blob, start: int, meta: dict, b: int, compression: str) -> dict[str, bytes]:
-    size, streams = meta.get("size"), meta.get("streams")
-    _check(isinstance(size, int) and size >= 0, f"bucket {b}: bad size {size!r}")
-    _check(
-        isinstance(streams, list)
-        and len(streams) == len(STREAMS)
-        and all(
-            isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) and v >= 0 for v in x)
-            for x in streams
-        ),
-        f"bucket {b}: bad stream table",
-    )
+    size, streams = meta["size"], meta["streams"]
     stored = bytes(blob[start : start + size])
     _check(
         hashlib.blake2b(stored, digest_size=16).hexdigest() == meta.get("checksum"),
         f"bucket {b}: checksum mismatch (payload bytes corrupted)",
     )
-    _check(sum(s for s, _ in streams) == size, f"bucket {b}: stream sizes do not add up to {size}")
     out, pos = {}, 0
     dctx = None
     for k, (s, raw) in zip(STREAMS, streams, strict=True):
@@ -329,10 +271,19 @@ def _split_bucket(blob, start: int, meta: dict, b: int, compression: str) -> dic
             _check(s == raw, f"bucket {b} stream {k}: stored {s} != raw {raw} bytes")
             out[k] = chunk
             continue
-        if dctx is None:
-            import zstandard
+        import zstandard
 
-            dctx = zstandard.ZstdDecompressor()
+        dctx = dctx or zstandard.ZstdDecompressor()
+        # The frame's own size claim is checked before anything is allocated: given a size in
+        # its header, `decompress` allocates that much whatever `max_output_size` says.
+        try:
+            claimed = zstandard.frame_content_size(chunk)  # -1: not stated
+        except Exception as e:  # zstandard.ZstdError and friends
+            raise CorruptPatchError(f"bucket {b} stream {k}: zstd frame invalid: {e}") from e
+        said = "states no size" if claimed == -1 else f"claims {claimed} bytes"
+        _check(
+            claimed == raw, f"bucket {b} stream {k}: zstd frame {said}, the manifest allows {raw}"
+        )
         try:
             data = dctx.decompress(chunk, max_output_size=raw)
         except Exception as e:  # zstandard.ZstdError and friends
@@ -342,23 +293,33 @@ def _split_bucket(blob, start: int, meta: dict, b: int, compression: str) -> dic
     return out
 
 
-def decode(blob: bytes, *, expect: Sequence[TensorSpec] | None = None) -> Patch:
+def decode(
+    blob: bytes,
+    *,
+    expect: Sequence[TensorSpec] | None = None,
+    max_header_bytes: int = MAX_HEADER_BYTES,
+    max_decoded_bytes: int | None = None,
+) -> Patch:
     """Parse and fully validate a patch. Nothing is returned unless every check passes.
 
     `expect`: the receiver's manifest; the patch must list exactly these tensors in this order.
+    Every size read from the blob is bounded before it is used: `header_len` by
+    `max_header_bytes`, each stream's raw size by the manifest's shapes (`expect`'s when given),
+    their sum by `max_decoded_bytes` (None: no cap beyond the manifest), each zstd frame's claim
+    by its stream's raw size.
     """
-    header = read_header(blob)
+    header = read_header(blob, max_header_bytes=max_header_bytes)
     kind, base, new = header["kind"], header.get("base_version"), header.get("new_version")
-    _check(isinstance(new, int) and new >= 0, f"bad new_version {new!r}")
+    _check(_int(new), f"bad new_version {new!r}")
     if kind == "anchor":
         _check(base is None, f"anchor with base_version {base!r}")
     else:
-        _check(isinstance(base, int) and 0 <= base < new, f"bad base_version {base!r} for {new}")
+        _check(_int(base) and base < new, f"bad base_version {base!r} for {new}")
     compression = header.get("compression")
     _check(compression in ("zstd", "none"), f"compression {compression!r} unknown")
     tensors, buckets = header.get("tensors"), header.get("buckets")
     _check(isinstance(tensors, list) and isinstance(buckets, list), "manifest or buckets missing")
-    specs = [_parse_spec(e, i) for i, e in enumerate(tensors)]
+    specs = [parse_spec(e, i) for i, e in enumerate(tensors)]
     _check(len({s.name for s in specs}) == len(specs), "duplicate tensor names in manifest")
     if expect is not None and list(expect) != specs:
         got = {(s.name, s.shape, s.dtype) for s in specs}
@@ -367,27 +328,34 @@ def decode(blob: bytes, *, expect: Sequence[TensorSpec] | None = None) -> Patch:
             f"manifest does not match the receiver's tensors: unexpected {sorted(got - want)[:3]}, "
             f"missing {sorted(want - got)[:3]}"
         )
+    need = stream_sizes(tensors, specs, kind, len(buckets))
+    total = sum(sum(n.values()) for n in need)
+    _check(
+        max_decoded_bytes is None or total <= max_decoded_bytes,
+        f"patch decodes to {total} bytes, more than the maximum of {max_decoded_bytes}",
+    )
+    for b, meta in enumerate(buckets):
+        _, table = bucket_table(meta, b)
+        for k, (_, raw), n in zip(STREAMS, table, need[b].values(), strict=True):
+            _check(raw == n, f"bucket {b} stream {k}: header says {raw} raw bytes, its tensors {n}")
 
-    pos = PREFIX_BYTES + struct.unpack("<I", blob[4:8])[0]
-    need = pos + sum(m.get("size", 0) if isinstance(m, dict) else 0 for m in buckets)
-    if len(blob) < need:
-        raise TruncatedPatchError(f"patch has {len(blob)} bytes, its header describes {need}")
-    _check(len(blob) == need, f"patch has {len(blob) - need} trailing bytes")
+    pos = PREFIX_BYTES + int.from_bytes(blob[4:8], "little")
+    end = pos + sum(m["size"] for m in buckets)
+    if len(blob) < end:
+        raise TruncatedPatchError(f"patch has {len(blob)} bytes, its header describes {end}")
+    _check(len(blob) == end, f"patch has {len(blob) - end} trailing bytes")
     streams = []
     for b, meta in enumerate(buckets):
-        _check(isinstance(meta, dict), f"bucket {b} is not an object")
         streams.append(_split_bucket(blob, pos, meta, b, compression))
         pos += meta["size"]
 
-    used = [{k: 0 for k in STREAMS} for _ in buckets]
+    used = [dict.fromkeys(STREAMS, 0) for _ in buckets]
 
     def take(entry: dict, name: str, k: str, n: int) -> np.ndarray:
-        b, offsets = entry.get("bucket"), entry.get("offsets")
-        _check(isinstance(b, int) and 0 <= b < len(buckets), f"tensor {name}: bad bucket {b!r}")
-        _check(isinstance(offsets, dict), f"tensor {name}: offsets missing")
-        off = offsets.get(k)
+        b, off = entry["bucket"], entry["offsets"].get(k)
         # Segments must tile each stream in manifest order: no gaps, no overlaps, no leftovers.
-        _check(off == used[b][k], f"tensor {name}: stream {k} offset {off!r} != {used[b][k]}")
+        _check(off == used[b][k] and _int(off), f"tensor {name}: stream {k} offset {off!r} != "
+               f"{used[b][k]}")  # fmt: skip
         data = streams[b][k]
         _check(off + n <= len(data), f"tensor {name}: stream {k} too short")
         used[b][k] = off + n
@@ -398,28 +366,19 @@ def decode(blob: bytes, *, expect: Sequence[TensorSpec] | None = None) -> Patch:
     for entry, s in zip(tensors, specs, strict=True):
         d = entry.get("digest")
         _check(
-            isinstance(d, list)
-            and len(d) == 2
-            and all(isinstance(v, int) and 0 <= v < 2**32 for v in d),
+            isinstance(d, list) and len(d) == 2 and all(_int(v) and v < 2**32 for v in d),
             f"tensor {s.name}: bad digest {d!r}",
         )
         digests[s.name] = np.asarray(d, np.uint32)
-        enc = entry.get("encoding")
+        enc = entry["encoding"]
         if enc == "unchanged":
-            _check(kind == "patch", f"tensor {s.name}: an anchor cannot leave a tensor unchanged")
             out[s.name] = TensorPatch(s, "unchanged")
         elif enc == "dense":
             raw = take(entry, s.name, "d", s.numel * s.itemsize)
             bits = raw.view(uint_dtype(s.itemsize)).reshape(s.shape)
             out[s.name] = TensorPatch(s, "dense", bits=bits)
-        elif enc == "sparse":
-            _check(kind == "patch", f"tensor {s.name}: an anchor must be dense")
-            nnz, width, mode = entry.get("nnz"), entry.get("gap_width"), entry.get("values")
-            _check(
-                isinstance(nnz, int) and 1 <= nnz <= s.numel, f"tensor {s.name}: bad nnz {nnz!r}"
-            )
-            _check(width in GAP_WIDTHS, f"tensor {s.name}: bad gap_width {width!r}")
-            _check(mode in ("new", "xor"), f"tensor {s.name}: bad values mode {mode!r}")
+        else:  # sparse; nnz, gap_width and values were checked by stream_sizes
+            nnz, width, mode = entry["nnz"], entry["gap_width"], entry["values"]
             gaps = from_planes([take(entry, s.name, f"g{p}", nnz) for p in range(width)], width)
             vals = from_planes(
                 [take(entry, s.name, f"v{p}", nnz) for p in range(s.itemsize)], s.itemsize
@@ -430,8 +389,6 @@ def decode(blob: bytes, *, expect: Sequence[TensorSpec] | None = None) -> Patch:
                 f"tensor {s.name}: indices out of range [0, {s.numel})",
             )
             out[s.name] = TensorPatch(s, "sparse", index=index, bits=vals, xor=mode == "xor")
-        else:
-            raise CorruptPatchError(f"tensor {s.name}: unknown encoding {enc!r}")
     for b, u in enumerate(used):
         for k in STREAMS:
             _check(
@@ -442,4 +399,13 @@ def decode(blob: bytes, *, expect: Sequence[TensorSpec] | None = None) -> Patch:
         state_digest(specs, digests) == header.get("state_digest"),
         "state digest does not match the per-leaf digests",
     )
-    return Patch(kind, base, new, header["state_digest"], digests, out)
+    return Patch(
+        kind,
+        base,
+        new,
+        header["state_digest"],
+        digests,
+        out,
+        run_id=header["run_id"],
+        base_digest=header["base_digest"],
+    )

@@ -25,5 +25,13 @@ class DuplicatePatchError(VersionError):
     """The patch's new version is not newer than the receiver's: already applied."""
 
 
+class BaseMismatchError(VersionError):
+    """The patch was made for another base state than the receiver's (its `base_digest`)."""
+
+
+class RunMismatchError(SyncError):
+    """The blob was published by another run than the one the receiver (or publisher) follows."""
+
+
 class MissingVersionError(SyncError):
     """A version needed to catch up is not available from the transport."""

@@ -21,7 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparserl_jax.sync import codec
+from sparserl_jax.sync.errors import RunMismatchError, SyncError
 from sparserl_jax.sync.extract import extract_changes, host_bits
+from sparserl_jax.sync.header import check_run_id, new_run_id, read_header
 from sparserl_jax.sync.mask import (
     digest_update,
     leaf_digests,
@@ -29,7 +31,7 @@ from sparserl_jax.sync.mask import (
     published_dtype,
     visible_bitmap,
 )
-from sparserl_jax.sync.transport import Transport
+from sparserl_jax.sync.transport import KINDS, Transport
 
 PUBLISH_DTYPES = ("bfloat16", "float16", "float32", "keep")
 
@@ -97,12 +99,16 @@ class Publisher:
         *,
         config: SyncConfig | None = None,
         start_version: int = 0,
+        run_id: str | None = None,
     ):
         """`start_version`: the version of the first (anchor) publish, e.g. the version a
-        resumed trainer had reached, so that version numbers keep rising across restarts."""
+        resumed trainer had reached, so that version numbers keep rising across restarts.
+        `run_id`: written into every blob (default: a fresh random id); a resumed trainer passes
+        the id it checkpointed, so receivers bound to the run keep following it."""
         if start_version < 0:
             raise ValueError(f"start_version must be >= 0, got {start_version}")
         self._start_version = start_version
+        self.run_id = new_run_id() if run_id is None else check_run_id(run_id)
         self.transport = transport
         self.config = config or SyncConfig()
         self.version: int | None = None
@@ -132,7 +138,39 @@ class Publisher:
             dense_bits=lambda n: host_bits(leaves[n]),
             leaf_digests=self._digests,
             config=self.config.codec,
+            run_id=self.run_id,
         )
+
+    @property
+    def state_digest(self) -> str:
+        """The digest of the last published state (`codec.state_digest`)."""
+        return codec.state_digest(self.specs, self._digests)
+
+    def _check_transport(self) -> None:
+        """Refuse to publish where another run's versions at or above ours already are: a
+        receiver could splice them into this run's chain. The newest blob of each kind is read
+        (an anchor only when it is newer than every patch): one publisher per location writes
+        them in order, so a foreign run shows there. Unreadable leftovers are left to receivers,
+        which refuse them."""
+        newest = {}
+        for kind in KINDS:
+            later = [v for v in self.transport.versions(kind) if v >= self._start_version]
+            if later:
+                newest[kind] = later[-1]
+        if "anchor" in newest and newest["anchor"] <= newest.get("patch", -1):
+            del newest["anchor"]
+        for kind, v in newest.items():
+            blob = self.transport.get(v, kind)
+            try:
+                other = None if blob is None else read_header(blob)["run_id"]
+            except SyncError:
+                continue
+            if blob is not None and other != self.run_id:
+                raise RunMismatchError(
+                    f"the sync transport already holds {kind} {v} of run {other!r} (this run, "
+                    f"{self.run_id!r}, starts at version {self._start_version}): publish to an "
+                    "empty location, delete those versions, or resume that run with its run id"
+                )
 
     def publish(self, master) -> Published:
         """Publish the next version of `master` (a pytree of arrays, any sharding)."""
@@ -140,6 +178,8 @@ class Publisher:
         master = jax.tree.map(jnp.asarray, master)  # numpy leaves become (device) arrays
         if self.version is None:
             t0 = time.perf_counter()
+            if self.transport is not None:
+                self._check_transport()
             self._sent = publish_bits(master, pdt)
             leaves, self._treedef = jax.tree.flatten(master)
             self.names = leaf_names(master)
@@ -183,6 +223,8 @@ class Publisher:
         dense_of = dict(zip(self.names, jax.tree.leaves(new_sent), strict=True))
         patch = codec.encode(
             kind="patch",
+            run_id=self.run_id,
+            base_digest=self.state_digest,
             base_version=self.version,
             new_version=self.version + 1,
             specs=self.specs,

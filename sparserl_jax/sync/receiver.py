@@ -1,10 +1,12 @@
 """PULSESync receiver: validate a whole patch, apply it on device, prove bit-identity, catch up.
 
-A patch is applied only if (1) it continues the chain (`base_version == version`; an anchor must be
-newer than the current version), (2) `codec.decode` accepted every checksum, size, offset and index,
-and (3) after the scatter the per-leaf digests of the *new device arrays* equal the publisher's and
-so does the full-state digest. JAX arrays are immutable: the new state is built beside the old one
-and swapped in only after (3), so a refused patch never leaves weights half-applied.
+A patch is applied only if (1) it comes from the receiver's run (`run_id`: given, or taken from the
+first blob accepted) and continues the chain (`base_version == version` and `base_digest` equal to
+the held state's digest; an anchor must be newer than the current version), (2) `codec.decode`
+accepted every checksum, size, offset and index, and (3) after the scatter the per-leaf digests of
+the *new device arrays* equal the publisher's and so does the full-state digest. JAX arrays are
+immutable: the new state is built beside the old one and swapped in only after (3), so a refused
+patch never leaves weights half-applied.
 
 Catch-up (PULSE / grail): from the current version apply the chain of patches `v+1, v+2, ...`;
 when one is missing or refused, jump to the newest anchor in `(version, target]` and continue from
@@ -27,13 +29,16 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSha
 
 from sparserl_jax.sync import codec
 from sparserl_jax.sync.errors import (
+    BaseMismatchError,
     CorruptPatchError,
     DuplicatePatchError,
     MissingVersionError,
     OutOfOrderPatchError,
+    RunMismatchError,
     SyncError,
     VersionError,
 )
+from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
 from sparserl_jax.sync.mask import _leaf_digest, from_bits, to_bits
 from sparserl_jax.sync.transport import Transport
 
@@ -89,6 +94,10 @@ class Receiver:
       verify: "all" recomputes every leaf's digest after each apply (the full-state check);
         "touched" recomputes only the leaves the patch changed and reuses verified digests of the
         others (the full-state digest is still checked).
+      run_id: the run to follow; None binds the receiver to the run of the first blob it accepts
+        that names one. Blobs of any other run are refused (`RunMismatchError`).
+      max_header_bytes, max_decoded_bytes: bounds on a blob's header and on the bytes it decodes
+        to (`codec.decode`); after the first anchor the receiver's own manifest bounds the latter.
     """
 
     def __init__(
@@ -96,9 +105,14 @@ class Receiver:
         sharding: Mapping[str, Sharding] | Callable[[str, tuple[int, ...]], Sharding],
         *,
         verify: Literal["all", "touched"] = "all",
+        run_id: str | None = None,
+        max_header_bytes: int = MAX_HEADER_BYTES,
+        max_decoded_bytes: int | None = None,
     ):
         if verify not in ("all", "touched"):
             raise ValueError(f"verify {verify!r} unknown; expected all or touched")
+        self.run_id = None if run_id is None else check_run_id(run_id)
+        self.max_header_bytes, self.max_decoded_bytes = max_header_bytes, max_decoded_bytes
         self._sharding = sharding
         self.verify = verify
         self.version: int | None = None
@@ -116,6 +130,12 @@ class Receiver:
         kind, base, new = header["kind"], header.get("base_version"), header.get("new_version")
         if not isinstance(new, int):
             raise CorruptPatchError(f"bad new_version {new!r}")
+        if self.run_id is not None and header["run_id"] != self.run_id:
+            what = f"anchor {new}" if kind == "anchor" else f"patch {base}->{new}"
+            raise RunMismatchError(
+                f"{what} refused: it was published by run {header['run_id']!r}, this receiver "
+                f"follows run {self.run_id!r} (a sync location reused by another run?)"
+            )
         if kind == "anchor":
             if self.version is not None and new <= self.version:
                 raise DuplicatePatchError(
@@ -134,11 +154,22 @@ class Receiver:
                 f"patch {base}->{new} refused: base version {base} != receiver version "
                 f"{self.version} (versions {self.version + 1}..{base} missing)"
             )
+        expected = header["base_digest"]
+        if expected is not None and expected != self.state_digest:
+            raise BaseMismatchError(
+                f"patch {base}->{new} refused: made for a base state with digest {expected}, the "
+                f"receiver holds {self.state_digest} at version {self.version}"
+            )
 
     def apply(self, blob: bytes) -> int:
         """Validate and apply one patch or anchor; returns the new version. Raises `SyncError`."""
-        self._check_order(codec.read_header(blob))
-        patch = codec.decode(blob, expect=self.specs)
+        self._check_order(codec.read_header(blob, max_header_bytes=self.max_header_bytes))
+        patch = codec.decode(
+            blob,
+            expect=self.specs,
+            max_header_bytes=self.max_header_bytes,
+            max_decoded_bytes=self.max_decoded_bytes,
+        )
         specs = [t.spec for t in patch.tensors.values()]
         arrays, touched = dict(self.arrays), []
         for name, t in patch.tensors.items():
@@ -179,6 +210,7 @@ class Receiver:
             )
         self.arrays, self._digests, self.specs = arrays, computed, specs
         self.version, self.state_digest = patch.new_version, patch.state_digest
+        self.run_id = self.run_id or patch.run_id
         return patch.new_version
 
     def sync(self, transport: Transport, target: int | None = None) -> list[ApplyEvent]:

@@ -9,7 +9,9 @@ and `versions(kind)` (only versions that are completely written). Three implemen
   same code). The blob is written first and a `READY/<kind>-<version>` marker after it, so a
   reader never sees a half-written version (grail's READY-window convention).
 - `StreamServer` / `StreamClient`: a length-prefixed TCP protocol between processes on one host
-  (127.0.0.1 by default), with bounded socket timeouts.
+  (127.0.0.1 by default), with bounded socket timeouts. A length read from the socket is checked
+  against `max_blob_bytes` and the buffer grows with the bytes that actually arrive, so a bad
+  length can neither allocate nor stall beyond what the peer really sends.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from typing import Literal
 Kind = Literal["patch", "anchor"]
 KINDS = ("patch", "anchor")
 _MISSING = 2**64 - 1
-_MAX_FRAME = 1 << 40
+MAX_BLOB_BYTES = 1 << 40
+_CHUNK = 1 << 20
 
 
 def _check_kind(kind: str) -> None:
@@ -129,14 +132,16 @@ class KvStoreTransport(Transport):
         )
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        k = sock.recv_into(view[got:], n - got)
-        if k == 0:
-            raise ConnectionError(f"stream closed after {got} of {n} bytes")
-        got += k
+def _recv_exact(sock: socket.socket, n: int, limit: int) -> bytes:
+    """`n` bytes; refused over `limit`, and allocated as they arrive (never `n` up front)."""
+    if not 0 <= n <= limit:
+        raise ConnectionError(f"peer announced {n} bytes; expected 0..{limit} (max_blob_bytes)")
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), _CHUNK))
+        if not chunk:
+            raise ConnectionError(f"stream closed after {len(buf)} of {n} bytes")
+        buf += chunk
     return bytes(buf)
 
 
@@ -174,9 +179,11 @@ class StreamServer(Transport):
         host: str = "127.0.0.1",
         port: int = 0,
         timeout: float = 30.0,
+        max_blob_bytes: int = MAX_BLOB_BYTES,
     ):
         self.backing = backing if backing is not None else InProcessTransport()
         self.timeout = timeout
+        self.max_blob_bytes = max_blob_bytes
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(0.2)
         self.address = self._sock.getsockname()[:2]
@@ -209,13 +216,13 @@ class StreamServer(Transport):
                         _send_frame(conn, self.backing.get(int(words[2]), words[1]))
                     elif words[0] == "LIST" and len(words) == 2:
                         _send_frame(conn, json.dumps(self.backing.versions(words[1])).encode())
-                    elif words[0] == "PUT" and len(words) == 4 and int(words[3]) <= _MAX_FRAME:
-                        blob = _recv_exact(conn, int(words[3]))
+                    elif words[0] == "PUT" and len(words) == 4:
+                        blob = _recv_exact(conn, int(words[3]), self.max_blob_bytes)
                         self.backing.put(int(words[2]), words[1], blob)
                         _send_frame(conn, b"OK")
                     else:
                         _send_frame(conn, None)
-            except (OSError, ValueError):
+            except (OSError, ValueError):  # ConnectionError included: the connection is dropped
                 return
 
     def put(self, version: int, kind: Kind, blob: bytes) -> None:
@@ -234,11 +241,15 @@ class StreamServer(Transport):
 
 
 class StreamClient(Transport):
-    """Client side of `StreamServer`; one connection, re-opened on error, bounded timeouts."""
+    """Client side of `StreamServer`; one connection, re-opened on error, bounded timeouts.
+    A reply longer than `max_blob_bytes` is refused (`ConnectionError`) before it is read."""
 
-    def __init__(self, host: str, port: int, *, timeout: float = 30.0):
+    def __init__(
+        self, host: str, port: int, *, timeout: float = 30.0, max_blob_bytes: int = MAX_BLOB_BYTES
+    ):
         self.address = (host, int(port))
         self.timeout = timeout
+        self.max_blob_bytes = max_blob_bytes
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -248,8 +259,8 @@ class StreamClient(Transport):
                 self._sock = socket.create_connection(self.address, timeout=self.timeout)
             try:
                 self._sock.sendall(line.encode("ascii") + b"\n" + payload)
-                (n,) = struct.unpack("<Q", _recv_exact(self._sock, 8))
-                return None if n == _MISSING else _recv_exact(self._sock, n)
+                (n,) = struct.unpack("<Q", _recv_exact(self._sock, 8, 8))
+                return None if n == _MISSING else _recv_exact(self._sock, n, self.max_blob_bytes)
             except (OSError, ConnectionError):
                 self._sock.close()
                 self._sock = None

@@ -183,7 +183,8 @@ def test_layout_hand_computed():
     blob = _one_leaf_blob(old, new, CodecConfig(compression="none"))
     header = read_header(blob)
     (entry,) = header["tensors"]
-    assert (header["format"], header["base_version"], header["new_version"]) == (1, 3, 4)
+    assert (header["format"], header["base_version"], header["new_version"]) == (2, 3, 4)
+    assert header["run_id"] is None and header["base_digest"] is None  # not given to encode
     assert (entry["name"], entry["shape"], entry["dtype"]) == ("w", [30], "bfloat16")
     assert (entry["encoding"], entry["nnz"], entry["gap_width"], entry["values"]) == (
         "sparse", 3, 1, "new",

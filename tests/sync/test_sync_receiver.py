@@ -223,7 +223,9 @@ def test_wrong_values_with_valid_checksums_are_refused_by_digest():
     changes["['w']"] = LeafChanges(ch.index, ch.delta ^ np.uint16(1), ch.old)
     forged = encode(
         kind="patch",
+        run_id=pub.run_id,
         base_version=0,
+        base_digest=rc.state_digest,
         new_version=1,
         specs=rc.specs,
         changes=changes,

@@ -47,6 +47,8 @@ def topology_devices(name: str) -> list:
     """The devices of TPU topology `name` (e.g. "v5p:2x2x1"); raises without libtpu."""
     from jax.experimental import topologies
 
+    # No chip is touched: several compiling processes may load libtpu at once (its lockfile).
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return list(topologies.get_topology_desc(name, "tpu").devices)
 
 
@@ -118,19 +120,21 @@ def engine_config(policy: str, *, slots=64, prompt=256, new=2048, page=16, budge
 
 def engine_programs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) -> dict:
     """Compile the engine's prefill and decode chunk for `devices` (one chip, or a mesh where
-    the weights are laid out by the logical-axis rules and the paged cache and slot state are
-    replicated: the page pool is shared by all slots, so it has no batch axis to split)."""
+    the weights are laid out by the logical-axis rules, the page pools split by KV head when
+    their count divides by the chips (else replicated: the pool is shared by all slots, so it has
+    no batch axis to split), the slot state replicated, and the kernels run per chip)."""
     abstract = _abstract_model(model_cfg)
-    engine = RolloutEngine(abstract, rcfg)
-    cache, slots = jax.eval_shape(engine._init)
     mesh = _mesh(devices)
+    engine = RolloutEngine(abstract, rcfg, mesh=mesh)
+    cache, slots = jax.eval_shape(engine._init)
     if mesh is None:
         rep = param_sh = SingleDeviceSharding(devices[0])
+        cache, slots = _place((cache, slots), rep)
     else:
         rep = NamedSharding(mesh, PartitionSpec())
         param_sh = nnx.to_pure_dict(state_shardings(nnx.state(abstract), mesh))
+        cache, slots = _place(cache, cache.shardings()), _place(slots, rep)
     params = _place(engine.default_params, param_sh)
-    cache, slots = _place((cache, slots), rep)
     s, p = rcfg.num_slots, rcfg.max_prompt_len
     prefill_in = _place(
         (

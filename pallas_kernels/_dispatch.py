@@ -7,6 +7,11 @@ Triton-lowered GPU kernels (Pallas Triton is deprecated from JAX 0.11) have not 
 they are opt-in (`impl="pallas_gpu"` or the environment) and warn when compiled for one. The
 environment variable `SPARSERL_KERNEL_IMPL` (xla, pallas_tpu, pallas_gpu) overrides "auto".
 
+On a device mesh (`mesh=` of the ops), a compiled kernel runs per device under `shard_map`
+(`on_mesh`): Mosaic calls cannot be partitioned by XLA. KV heads are split over the mesh when
+their count divides by the mesh size (query heads follow, group by group), otherwise every device
+runs the whole op on replicated operands.
+
 A kernel runs in interpret mode when the target is not its platform (CPU tests). Compiled for its
 platform, a kernel runs only on the shapes its `unsupported_reason` accepts; any other shape goes
 to the XLA reference with one log line per (op, reason) (`choose_impl`), so a program never
@@ -16,12 +21,14 @@ reaches a kernel its compiler rejects.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
-from collections.abc import Callable
-from typing import Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import jax
+from jax.sharding import Mesh, PartitionSpec
 
 Impl = Literal["auto", "xla", "pallas_tpu", "pallas_gpu"]
 Concrete = Literal["xla", "pallas_tpu", "pallas_gpu"]
@@ -100,3 +107,56 @@ def cdiv(a: int, b: int) -> int:
 
 def is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
+
+
+def kv_head_axes(mesh: Mesh | None, kv_heads: int) -> tuple[str, ...] | None:
+    """The mesh axes the KV heads are split over inside `on_mesh` (None: replicated)."""
+    if mesh is None:
+        return None
+    axes = tuple(name for name, size in mesh.shape.items() if size > 1)
+    size = math.prod(mesh.shape[a] for a in axes)
+    return axes if axes and kv_heads % size == 0 else None
+
+
+def local_kv_heads(mesh: Mesh | None, kv_heads: int) -> int:
+    """How many KV heads one device's kernel call sees under `on_mesh`."""
+    axes = kv_head_axes(mesh, kv_heads)
+    return kv_heads if axes is None else kv_heads // math.prod(mesh.shape[a] for a in axes)
+
+
+def on_mesh(
+    kernel: Callable[..., Any],
+    args: Sequence[jax.Array],
+    *,
+    mesh: Mesh | None,
+    kv_heads: int,
+    in_head_dims: Sequence[int | None],
+    out_head_dims: int | None | tuple[int | None, ...],
+) -> Any:
+    """`kernel(*args)`, per device under `shard_map` when `mesh` has more than one device.
+
+    `in_head_dims[i]` / `out_head_dims` name the head axis of each operand / output (None: an
+    operand every device needs whole, such as page tables). With `kv_head_axes` the head axes are
+    split over the mesh (contiguous blocks, so query head n stays with KV head n // G); without,
+    everything is replicated and each device computes the whole op.
+    """
+    if mesh is None or mesh.size == 1:
+        return kernel(*args)
+    axes = kv_head_axes(mesh, kv_heads)
+
+    def spec(ndim: int, dim: int | None) -> PartitionSpec:
+        if axes is None or dim is None:
+            return PartitionSpec()
+        parts: list[Any] = [None] * ndim
+        parts[dim] = axes
+        return PartitionSpec(*parts)
+
+    in_specs = tuple(spec(x.ndim, d) for x, d in zip(args, in_head_dims, strict=True))
+    out_shapes = jax.eval_shape(kernel, *args)
+    if isinstance(out_head_dims, tuple):
+        out_specs = tuple(spec(o.ndim, d) for o, d in zip(out_shapes, out_head_dims, strict=True))
+    else:
+        out_specs = spec(out_shapes.ndim, out_head_dims)
+    # Pallas calls carry no varying-axes annotations; the specs above are the contract.
+    fn = jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return fn(*args)

@@ -109,19 +109,21 @@ class Sampler:
         *,
         shardings: dict[str, Any],
         publish_dtype,
+        mesh: Mesh | None = None,
     ) -> Sampler:
         """A sampler running `model`'s graph that holds nothing yet (its first `sync` brings the
         weights), each leaf laid out as `shardings` says (see `sampler_shardings`). `params` gives
-        the parameter tree's structure and dtypes."""
+        the parameter tree's structure and dtypes. `mesh`: the sampler's devices, over which
+        the engines lay out their paged caches and run their kernels."""
         return cls(
             receiver=Receiver(lambda name, shape: shardings[name]),
             treedef=jax.tree.structure(params),
             names=leaf_names(params),
             like=jax.eval_shape(lambda p: p, params),
             publish_dtype=publish_dtype,
-            engine=RolloutEngine(model, rollout),
+            engine=RolloutEngine(model, rollout, mesh=mesh),
             eval_engine=RolloutEngine(
-                model, dataclasses.replace(rollout, temperature=0.0, n_samples=1)
+                model, dataclasses.replace(rollout, temperature=0.0, n_samples=1), mesh=mesh
             ),
         )
 

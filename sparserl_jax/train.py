@@ -259,6 +259,7 @@ def _start(cfg: Config, log_fn) -> _Run:
         rcfg,
         shardings=sampler_shardings(model, sampler_mesh or trainer_mesh),
         publish_dtype=cfg.sync.jnp_publish_dtype,
+        mesh=sampler_mesh or trainer_mesh,
     )
     publisher.publish(state.params)
     sampler.sync(transport)

@@ -7,9 +7,18 @@ import contextlib
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._dispatch import Concrete, Impl, cdiv, choose_impl, interpret_needed
+from pallas_kernels._dispatch import (
+    Concrete,
+    Impl,
+    cdiv,
+    choose_impl,
+    interpret_needed,
+    local_kv_heads,
+    on_mesh,
+)
 from pallas_kernels.paged_attention import kernel_gpu, kernel_tpu
 from pallas_kernels.paged_attention.reference import (
     paged_decode_attention_reference,
@@ -18,14 +27,24 @@ from pallas_kernels.paged_attention.reference import (
 
 
 def decode_impl(
-    kv_shape: tuple[int, ...], num_heads: int, batch: int, max_pages: int, *, impl: Impl = "auto"
+    kv_shape: tuple[int, ...],
+    num_heads: int,
+    batch: int,
+    max_pages: int,
+    *,
+    impl: Impl = "auto",
+    mesh: Mesh | None = None,
 ) -> Concrete:
     """What `paged_decode_attention` runs for a `[P, L, K, H]` pool on the target platform.
 
     The chosen kernel when it compiles for these shapes, else "xla" (logged once); see
-    `_dispatch.choose_impl` and each kernel's `unsupported_reason`.
+    `_dispatch.choose_impl` and each kernel's `unsupported_reason`. On a `mesh` the shapes
+    checked are one device's (`_dispatch.on_mesh`).
     """
-    _, page_size, kv_heads, head_dim = kv_shape
+    pages, page_size, kv_heads, head_dim = kv_shape
+    local = local_kv_heads(mesh, kv_heads)
+    num_heads, kv_heads = num_heads // kv_heads * local, local
+    kv_shape = (pages, page_size, kv_heads, head_dim)
 
     def unsupported(which: Concrete) -> str | None:
         if which == "pallas_tpu":
@@ -44,6 +63,7 @@ def paged_decode_attention(
     *,
     return_probs: bool = False,
     impl: Impl = "auto",
+    mesh: Mesh | None = None,
 ) -> tuple[Float[Array, "B N H"], Float[Array, "B N S"] | None]:
     """One pre-scaled decode query per row against its first `lengths_b[b]` paged keys.
 
@@ -51,31 +71,41 @@ def paged_decode_attention(
     probabilities `[B, N, M * L]` (zero past the length) that H2O accumulates. See
     `reference.py` for the layout. `impl`: "auto" (the Mosaic kernel on TPU, XLA on CPU and GPU),
     "xla", "pallas_tpu" or "pallas_gpu" (interpret mode off their platform); a kernel that cannot
-    compile these shapes falls back to XLA (`decode_impl`).
+    compile these shapes falls back to XLA (`decode_impl`). On a `mesh` a kernel runs per device
+    (`_dispatch.on_mesh`: heads split when the KV heads divide by the mesh size).
     """
     b, m = page_table_bm.shape
-    which = decode_impl(k_pages.shape, q_bnh.shape[1], b, m, impl=impl)
+    which = decode_impl(k_pages.shape, q_bnh.shape[1], b, m, impl=impl, mesh=mesh)
     if which == "xla":
         return paged_decode_attention_reference(
             q_bnh, k_pages, v_pages, page_table_bm, lengths_b, return_probs=return_probs
         )
-    if which == "pallas_gpu":
-        out, lse, logits = kernel_gpu.paged_decode_attention_gpu(
-            q_bnh,
-            k_pages,
-            v_pages,
-            page_table_bm,
-            lengths_b,
-            return_logits=return_probs,
-            interpret=interpret_needed(which),
-        )
-    else:
-        interpret = interpret_needed(which)
+    interpret = interpret_needed(which)
+
+    def kernel(q, kp, vp, pt, lens):
+        if which == "pallas_gpu":
+            return kernel_gpu.paged_decode_attention_gpu(
+                q, kp, vp, pt, lens, return_logits=return_probs, interpret=interpret
+            )
         ctx = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
         with ctx:
-            out, lse, logits = kernel_tpu.paged_decode_attention_tpu(
-                q_bnh, k_pages, v_pages, page_table_bm, lengths_b, return_logits=return_probs
+            return kernel_tpu.paged_decode_attention_tpu(
+                q, kp, vp, pt, lens, return_logits=return_probs
             )
+
+    def arrays_only(*args):
+        out, lse, logits = kernel(*args)
+        return (out, lse) if logits is None else (out, lse, logits)
+
+    got = on_mesh(
+        arrays_only,
+        (q_bnh, k_pages, v_pages, page_table_bm, lengths_b),
+        mesh=mesh,
+        kv_heads=k_pages.shape[2],
+        in_head_dims=(1, 2, 2, None, None),
+        out_head_dims=(1, 1, 1) if return_probs else (1, 1),
+    )
+    out, lse, logits = got if return_probs else (*got, None)
     probs = probs_from_logits(logits, lse, lengths_b) if return_probs else None
     return out, probs
 

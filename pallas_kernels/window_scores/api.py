@@ -5,9 +5,17 @@ from __future__ import annotations
 import contextlib
 
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._dispatch import Concrete, Impl, choose_impl, interpret_needed
+from pallas_kernels._dispatch import (
+    Concrete,
+    Impl,
+    choose_impl,
+    interpret_needed,
+    local_kv_heads,
+    on_mesh,
+)
 from pallas_kernels.paged_attention.kernel_tpu import unsupported_reason as tpu_unsupported
 from pallas_kernels.window_scores import kernel_gpu, kernel_tpu
 from pallas_kernels.window_scores.reference import window_scores_reference
@@ -21,34 +29,39 @@ def window_scores(
     num_queries_b: Int[Array, " B"],
     *,
     impl: Impl = "auto",
+    mesh: Mesh | None = None,
 ) -> Float[Array, "B K S"]:
     """SnapKV importance of every kept key, `[B, K, M * L]` (see `reference.py`).
 
-    `impl` as in `paged_decode_attention`; shapes the chosen kernel cannot compile run on XLA.
+    `impl` and `mesh` as in `paged_decode_attention`; shapes the chosen kernel cannot compile
+    run on XLA.
     """
     b, w = q_bwnh.shape[:2]
     m = page_table_bm.shape[1]
-    _, page_size, _, head_dim = k_pages.shape
+    pages, page_size, kv_heads, head_dim = k_pages.shape
+    local_shape = (pages, page_size, local_kv_heads(mesh, kv_heads), head_dim)
 
     def unsupported(which: Concrete) -> str | None:
         if which == "pallas_tpu":
-            return tpu_unsupported(k_pages.shape, b, m, smem_words=b)
+            return tpu_unsupported(local_shape, b, m, smem_words=b)
         return kernel_gpu.unsupported_reason(w, page_size, head_dim)
 
     which = choose_impl("window_scores", impl, unsupported)
     if which == "xla":
         return window_scores_reference(q_bwnh, k_pages, page_table_bm, lengths_b, num_queries_b)
-    if which == "pallas_gpu":
-        return kernel_gpu.window_scores_gpu(
-            q_bwnh,
-            k_pages,
-            page_table_bm,
-            lengths_b,
-            num_queries_b,
-            interpret=interpret_needed(which),
-        )
     interpret = interpret_needed(which)
-    with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
-        return kernel_tpu.window_scores_tpu(
-            q_bwnh, k_pages, page_table_bm, lengths_b, num_queries_b
-        )
+
+    def kernel(q, kp, pt, lens, nq):
+        if which == "pallas_gpu":
+            return kernel_gpu.window_scores_gpu(q, kp, pt, lens, nq, interpret=interpret)
+        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
+            return kernel_tpu.window_scores_tpu(q, kp, pt, lens, nq)
+
+    return on_mesh(
+        kernel,
+        (q_bwnh, k_pages, page_table_bm, lengths_b, num_queries_b),
+        mesh=mesh,
+        kv_heads=kv_heads,
+        in_head_dims=(2, 2, None, None, None),
+        out_head_dims=1,
+    )

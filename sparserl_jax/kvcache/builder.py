@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from pallas_kernels._dispatch import Impl
 from sparserl_jax.kvcache.config import CompressionConfig, cdiv
@@ -20,12 +21,14 @@ def paged_cache_for(
     num_pages: int | None = None,
     dtype: jnp.dtype | None = None,
     impl: Impl = "auto",
+    mesh: Mesh | None = None,
 ) -> PagedKVCache:
     """An empty cache for `batch` slots of a `ModelConfig`-like `model_cfg`.
 
     Pages per slot: `ceil(max_len / page_size)` with no compression, else
     `config.pages_per_slot(page_size, prompt_len)` (capped by that). The pool defaults to
-    `batch * pages_per_slot` pages: exactly what a full batch can hold at once.
+    `batch * pages_per_slot` pages: exactly what a full batch can hold at once. `mesh`: the
+    devices the kernels run on (`PagedKVCache.create`).
     """
     full = cdiv(max_len, page_size)
     per_slot = (
@@ -44,4 +47,5 @@ def paged_cache_for(
         track_attention_mass=config.needs_attention_mass,
         dtype=jnp.dtype(dtype if dtype is not None else model_cfg.compute_dtype),
         impl=impl,
+        mesh=mesh,
     )

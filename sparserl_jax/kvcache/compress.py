@@ -55,7 +55,14 @@ def compress_rows(
     def compact(pool):
         return jnp.stack(
             [
-                compact_pages(pool[y], cache.page_table, keep_ybkj[y], write_len_b, impl=cache.impl)
+                compact_pages(
+                    pool[y],
+                    cache.page_table,
+                    keep_ybkj[y],
+                    write_len_b,
+                    impl=cache.impl,
+                    mesh=cache.mesh,
+                )
                 for y in range(layers)
             ]
         )

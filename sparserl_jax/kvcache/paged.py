@@ -30,10 +30,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import paged_decode_attention
-from pallas_kernels._dispatch import Impl
+from pallas_kernels._dispatch import Impl, kv_head_axes
 from pallas_kernels.paged_attention.api import decode_impl, paged_decode_attention_xla_bucketed
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 from sparserl_jax.kvcache import allocator
@@ -63,6 +64,8 @@ class PagedKVCache:
     q_window: jax.Array | None  # [layers, B, w, N, H] or None
     attn_mass: jax.Array | None  # fp32 [layers, P, L, K] or None
     impl: Impl = dataclasses.field(default="auto", metadata=_STATIC)
+    # The devices the kernels run on per device (`pallas_kernels._dispatch.on_mesh`); None: one.
+    mesh: Mesh | None = dataclasses.field(default=None, metadata=_STATIC)
 
     @classmethod
     def create(
@@ -80,8 +83,12 @@ class PagedKVCache:
         track_attention_mass: bool = False,
         dtype: jnp.dtype = jnp.float32,
         impl: Impl = "auto",
+        mesh: Mesh | None = None,
     ) -> PagedKVCache:
-        """An empty cache; `window > 0` (with `num_heads`) records the last `window` queries."""
+        """An empty cache; `window > 0` (with `num_heads`) records the last `window` queries.
+
+        With a `mesh`, the kernels run per device (`shardings` says how the arrays are laid out).
+        """
         for name, value in (
             ("num_layers", num_layers),
             ("batch", batch),
@@ -119,6 +126,36 @@ class PagedKVCache:
             q_window=q_window,
             attn_mass=attn_mass,
             impl=impl,
+            mesh=mesh,
+        )
+
+    def shardings(self) -> PagedKVCache:
+        """A matching tree of `NamedSharding`s on `mesh`: pools (and the query window and the
+        attention mass) split over the mesh by KV head when their count divides by its size,
+        as the kernels split them (`on_mesh`); page tables, lengths and counters replicated."""
+        if self.mesh is None:
+            raise ValueError("PagedKVCache.shardings needs a cache created with a mesh")
+        axes = kv_head_axes(self.mesh, self.k_pages.shape[3])
+
+        def by_head(dim: int):
+            def sharding(x):
+                parts = [None] * x.ndim
+                if axes is not None:
+                    parts[dim] = axes
+                return NamedSharding(self.mesh, PartitionSpec(*parts))
+
+            return sharding
+
+        rep = NamedSharding(self.mesh, PartitionSpec())
+        tree = jax.tree.map(lambda _: rep, self)
+        heads = {"k_pages": 3, "v_pages": 3, "q_window": 3, "attn_mass": 3}
+        return dataclasses.replace(
+            tree,
+            **{
+                name: by_head(dim)(getattr(self, name))
+                for name, dim in heads.items()
+                if getattr(self, name) is not None
+            },
         )
 
     # ---- sizes -------------------------------------------------------------------------------
@@ -212,7 +249,9 @@ class PagedKVCache:
         want_probs = self.attn_mass is not None
         m = self.page_table.shape[1]
         # The decode path: the kernel when it compiles for these shapes, else XLA (logged once).
-        decode_on = decode_impl(k_pages.shape[1:], q_btnh.shape[2], b, m, impl=self.impl)
+        decode_on = decode_impl(
+            k_pages.shape[1:], q_btnh.shape[2], b, m, impl=self.impl, mesh=self.mesh
+        )
         if t == 1 and decode_on == "xla":
             # XLA decode: bounded by the longest row's pages, not by the table's capacity.
             out_bnh, probs_bns = paged_decode_attention_xla_bucketed(
@@ -235,6 +274,7 @@ class PagedKVCache:
                 kv_len_b,
                 return_probs=want_probs,
                 impl=decode_on,
+                mesh=self.mesh,
             )
             out_btnh = out_bnh[:, None]
             probs_btns = None if probs_bns is None else probs_bns[:, None]

@@ -70,7 +70,13 @@ def snapkv_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array
     for layer in range(cache.k_pages.shape[0]):
         qw_bwnh, nq_b = cache.window_queries(layer)
         a_bks = window_scores(
-            qw_bwnh, cache.k_pages[layer], cache.page_table, cache.lengths_b, nq_b, impl=cache.impl
+            qw_bwnh,
+            cache.k_pages[layer],
+            cache.page_table,
+            cache.lengths_b,
+            nq_b,
+            impl=cache.impl,
+            mesh=cache.mesh,
         )
         out.append(max_pool_1d(a_bks, valid_bs, config.kernel_size))
     return jnp.stack(out)

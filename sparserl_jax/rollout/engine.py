@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparserl_jax.kvcache import (
     PagedKVCache,
@@ -70,8 +71,9 @@ class RolloutEngine:
     `model` is an NNX `Transformer`; its graph is kept, its weights are the default `params`.
     """
 
-    def __init__(self, model: nnx.Module, config: RolloutConfig):
+    def __init__(self, model: nnx.Module, config: RolloutConfig, *, mesh: Mesh | None = None):
         self.config = config
+        self.mesh = mesh
         self.graphdef, state = nnx.split(model)
         self.model_cfg = model.cfg
         self.default_params = nnx.to_pure_dict(state)
@@ -79,8 +81,13 @@ class RolloutEngine:
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
         self._chunk = jax.jit(self._chunk_impl, donate_argnums=(1, 2))
         # Built under jit so every leaf is its own buffer (eager creation shares zero arrays,
-        # which donation refuses).
-        self._init = jax.jit(self._empty)
+        # which donation refuses). On a mesh the cache is laid out as its kernels split it.
+        out_shardings = None
+        if mesh is not None:
+            cache, slots = jax.eval_shape(self._empty)
+            rep = NamedSharding(mesh, PartitionSpec())
+            out_shardings = (cache.shardings(), jax.tree.map(lambda _: rep, slots))
+        self._init = jax.jit(self._empty, out_shardings=out_shardings)
 
     # ---- device programs -------------------------------------------------------------------
 
@@ -190,6 +197,7 @@ class RolloutEngine:
             prompt_len=cfg.max_prompt_len,
             page_size=cfg.page_size,
             num_pages=cfg.pool_pages,
+            mesh=self.mesh,
         )
         s = cfg.num_slots
         zero_s = jnp.zeros((s,), jnp.int32)

@@ -35,6 +35,10 @@ def topology(name: str):
         unavailable("libtpu is not installed (pip install -e '.[tpu]', or `make test-tpu-aot`)")
     from jax.experimental import topologies  # needs the TPU plugin: only once libtpu is there
 
+    # Compiling touches no chip: let several processes (pytest workers, benchmarks) load libtpu
+    # at once instead of failing on its single-process lockfile.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
     try:
         return topologies.get_topology_desc(name, "tpu")
     except Exception as e:  # no TPU plugin / unknown topology in this jax

@@ -1,6 +1,7 @@
 """The paged cache gives the same results on the kernels (interpret mode) as on the XLA path:
 decode attention with H2O's per-key mass, then SnapKV and H2O compressions (window scoring and
-compaction kernels)."""
+compaction kernels); also with the kernels run per device on a mesh (`_dispatch.on_mesh`), KV
+heads split (2 devices) or replicated (4 devices, which 2 KV heads do not divide)."""
 
 from __future__ import annotations
 
@@ -8,14 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType
 
+from pallas_kernels._dispatch import kv_head_axes
 from pallas_kernels.paged_attention.reference import gather_pages
 from sparserl_jax.kvcache import CompressionConfig, PagedKVCache, compress
 
 B, K, G, H, STEPS = 2, 2, 2, 4, 11
 
 
-def _run(impl, policy):
+def _run(impl, policy, mesh=None):
     cache = PagedKVCache.create(
         num_layers=1,
         batch=B,
@@ -28,7 +31,10 @@ def _run(impl, policy):
         window=3,
         track_attention_mass=True,
         impl=impl,
+        mesh=mesh,
     )
+    if mesh is not None:
+        cache = jax.device_put(cache, cache.shardings())
     qkv = jax.random.normal(jax.random.key(0), (STEPS, 3, B, 1, K * G, H))
 
     def step(cache, x):
@@ -50,8 +56,27 @@ def _run(impl, policy):
 @pytest.mark.parametrize("policy", ["snapkv", "h2o"])
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_cache_on_kernels_matches_xla(impl, policy):
+    _check_against_xla(_run(impl, policy), policy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", ["snapkv", "h2o"])
+@pytest.mark.parametrize("devices", [2, 4])
+def test_cache_on_kernels_on_a_mesh_matches_xla(devices, policy):
+    mesh = jax.make_mesh(
+        (devices,), ("fsdp",), axis_types=(AxisType.Auto,), devices=jax.devices()[:devices]
+    )
+    split = kv_head_axes(mesh, K) is not None
+    assert split == (devices == 2)
+    got = _run("pallas_tpu", policy, mesh)
+    if split:
+        assert got[1].k_pages.sharding.spec[3] in ("fsdp", ("fsdp",))
+    _check_against_xla(got, policy)
+
+
+def _check_against_xla(got, policy):
     want_out, want_cache, want_comp = _run("xla", policy)
-    got_out, got_cache, got_comp = _run(impl, policy)
+    got_out, got_cache, got_comp = got
     np.testing.assert_allclose(got_out, want_out, atol=2e-6, rtol=2e-6)
     np.testing.assert_allclose(got_cache.attn_mass, want_cache.attn_mass, atol=2e-6)
     np.testing.assert_array_equal(got_comp.lengths_b, want_comp.lengths_b)

@@ -11,10 +11,13 @@ corrupt, half-written) is skipped with a warning and the previous one is used.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import signal
 import threading
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,30 +106,86 @@ def _abstract(x: Any) -> Any:
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
+class Preempted(Exception):
+    """Raised inside a `PreemptionGuard.abortable` region when a stop signal ends the run there
+    (the region's work is dropped: the next run redoes it)."""
+
+
+# The signals that stop a run at a safe point: a preemption notice (SIGTERM) and Ctrl-C.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+# Test hook: `SPARSERL_TEST_SIGNAL_AT=<key>` makes the guard send SIGTERM to its own process when
+# the run reaches the stage `key` (`PreemptionGuard.mark`), so tests can stop a run at an exact
+# stage without timing races.
+TEST_SIGNAL_ENV = "SPARSERL_TEST_SIGNAL_AT"
+
+
 class PreemptionGuard:
-    """Turn SIGTERM (and optionally SIGINT) into a flag the training loop polls.
+    """Turn SIGTERM (and optionally SIGINT) into a stop the run handles at a safe point.
 
         with PreemptionGuard() as guard:
             for step in ...:
-                ...
+                with guard.abortable(f"rollout:{step}", f"the rollout of step {step}"):
+                    ...                     # dropped at once on a signal (raises Preempted)
+                guard.mark(f"update:{step}", f"the update of step {step}")
+                ...                         # runs to the end; the loop polls guard.requested
                 if guard.requested:
                     ckpt.save(step, state, meta); ckpt.wait(); break   # then exit 0
 
-    The previous handlers are restored on exit. Only the main thread can install handlers;
-    elsewhere the guard is inert (never requested).
+    A signal sets `requested` (and `signal_received`, `stopped_where`: what the run was doing,
+    as last given to `mark`). Inside an `abortable` region it also raises `Preempted` at once:
+    only work whose result can be recomputed belongs there (a rollout, an evaluation, the SFT
+    stage), never a save or an update of state that outlives it. A second SIGINT raises
+    KeyboardInterrupt (Ctrl-C twice: stop now). The previous handlers are restored on exit.
+    Only the main thread can install handlers; elsewhere the guard is inert (never requested).
     """
 
     def __init__(self, signals: tuple[int, ...] = (signal.SIGTERM,)):
         self._signals = signals
         self._previous: dict[int, Any] = {}
+        self._abortable = False
         self.requested = False
         self.signal_received: int | None = None
+        self.where = "start-up"
+        self.stopped_where: str | None = None
+
+    @property
+    def signal_name(self) -> str:
+        return signal.Signals(self.signal_received).name if self.signal_received else "signal"
 
     def _handle(self, signum, frame) -> None:
         del frame
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        if not self.requested:
+            self.stopped_where = self.where
         self.requested = True
         self.signal_received = signum
-        log.warning("signal %d received: checkpointing and stopping after this step", signum)
+        log.info("signal %d received during %s: stopping at a safe point", signum, self.where)
+        if self._abortable:
+            self._abortable = False
+            raise Preempted(f"stopped by {self.signal_name} during {self.stopped_where}")
+
+    def mark(self, key: str, where: str) -> None:
+        """Record what the run does now (`where`, for the stop message); `key` names the stage
+        for the test hook (`TEST_SIGNAL_ENV`)."""
+        self.where = where
+        if os.environ.get(TEST_SIGNAL_ENV) == key:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    @contextlib.contextmanager
+    def abortable(self, key: str, where: str) -> Iterator[None]:
+        """A region a signal stops at once, by raising `Preempted` (also on entry when a signal
+        came earlier)."""
+        try:
+            self._abortable = True
+            self.mark(key, where)
+            if self.requested:
+                self._abortable = False
+                raise Preempted(f"stopped by {self.signal_name} during {self.stopped_where}")
+            yield
+        finally:
+            self._abortable = False
 
     def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():

@@ -15,13 +15,11 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
-import json
 import os
 import sys
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -29,7 +27,7 @@ import yaml
 from sparserl_jax.data.config import DataConfig
 from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.models.config import ModelConfig
-from sparserl_jax.models.hf import config_from_hf
+from sparserl_jax.models.hf import read_hf_config
 from sparserl_jax.models.presets import model_preset
 from sparserl_jax.parallel.sharding import MeshConfig
 from sparserl_jax.rl.advantages import AdvantageEstimator
@@ -110,8 +108,9 @@ class ModelSpec:
             return self.arch.replace(
                 dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat
             )
-        hf = json.loads((Path(self.hf_dir) / "config.json").read_text())
-        return config_from_hf(hf, dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat)
+        return read_hf_config(
+            self.hf_dir, dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -228,3 +228,26 @@ def plot_metrics(path: str | Path, out: str | Path, keys: list[str] | None = Non
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def summarise_rewards(
+    summary: dict, rewards_seen: list[float], temperature, start: int, end: int, log_fn
+) -> None:
+    """Add the run's first- and last-fifth training rewards to `summary` and log them with the
+    held-out rewards before and after (`val_reward_before|after` in `summary`)."""
+    if rewards_seen:
+        k = max(1, len(rewards_seen) // 5)
+        summary["train_reward_first"] = float(np.mean(rewards_seen[:k]))
+        summary["train_reward_last"] = float(np.mean(rewards_seen[-k:]))
+    if "val_reward_before" in summary and "val_reward_after" in summary:
+        log_fn(
+            f"summary: held-out reward (sampled at T={temperature}) "
+            f"{summary['val_reward_before']:.3f} -> {summary['val_reward_after']:.3f}, greedy "
+            f"{summary['val_greedy_reward_before']:.3f} -> "
+            f"{summary['val_greedy_reward_after']:.3f}, over steps {start}..{end}"
+        )
+    if rewards_seen:
+        log_fn(
+            f"summary: sampled (training) reward {summary['train_reward_first']:.3f} in the "
+            f"first fifth of the steps -> {summary['train_reward_last']:.3f} in the last fifth"
+        )

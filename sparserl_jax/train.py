@@ -17,7 +17,7 @@ through PULSESync.
 
 Resume: checkpoints hold the learner state (master params, optimizer, DGG window, counters), the
 data-iterator state, the sync version and the step; rollout keys derive from `(train.seed, step)`,
-so a resumed run continues bit for bit. SIGTERM saves a checkpoint and exits 0.
+so a resumed run continues bit for bit. SIGTERM or SIGINT stops a run at a safe point (`train`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import numpy as np
 from tqdm import tqdm
 
 from sparserl_jax.build import build_model, build_tokenizer
-from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
+from sparserl_jax.checkpoint import STOP_SIGNALS, CheckpointManager, Preempted, PreemptionGuard
 from sparserl_jax.config import Config, to_dict
 from sparserl_jax.data import (
     compute_rewards,
@@ -45,7 +45,13 @@ from sparserl_jax.data import (
     make_reward_fn,
     prompt_iterator,
 )
-from sparserl_jax.metrics import MetricsWriter, plot_metrics, step_metrics, truncate_metrics
+from sparserl_jax.metrics import (
+    MetricsWriter,
+    plot_metrics,
+    step_metrics,
+    summarise_rewards,
+    truncate_metrics,
+)
 from sparserl_jax.rl import Learner, LearnerState, RLBatch, batch_shards, compute_advantages
 from sparserl_jax.rollout import RolloutConfig, RolloutResult
 from sparserl_jax.sampler import (
@@ -145,34 +151,40 @@ class _Run:
     data_it: Any
     start_step: int
     resumed: bool
+    pending_row: dict | None = None  # a metrics row whose evaluation a signal stopped
 
-    def step(self, step: int) -> dict[str, Any]:
-        """One RL step (the list in the module docstring); returns its metrics row."""
+    def step(self, step: int, guard: PreemptionGuard) -> dict[str, Any]:
+        """One RL step (the list in the module docstring); returns its metrics row. A signal
+        during the rollout, rewards or pi_old drops the step (`Preempted`: nothing of the run's
+        state has changed but the data iterator's position); from the update on it completes."""
         t_step = time.perf_counter()
         cfg, group = self.cfg, self.rollout.n_samples
         examples = next(self.data_it).examples
         prompts = encode_prompts(examples, self.tokenizer, max_len=self.rollout.max_prompt_len)
-        t0 = time.perf_counter()
-        result = self.sampler.rollout(prompts, step_seeds(cfg.train.seed, step, len(prompts)))
-        t_gen = time.perf_counter() - t0
+        with guard.abortable(f"rollout:{step}", f"the rollout of step {step}"):
+            t0 = time.perf_counter()
+            result = self.sampler.rollout(prompts, step_seeds(cfg.train.seed, step, len(prompts)))
+            t_gen = time.perf_counter() - t0
 
-        texts = completion_texts(result, self.tokenizer)
-        rewards = compute_rewards(self.reward_fn, examples, texts, group_size=group, step=step)
-        adv = np.asarray(
-            compute_advantages(
-                jnp.asarray(rewards), group_size=group, estimator=cfg.train.advantage_estimator
+            texts = completion_texts(result, self.tokenizer)
+            rewards = compute_rewards(self.reward_fn, examples, texts, group_size=group, step=step)
+            adv = np.asarray(
+                compute_advantages(
+                    jnp.asarray(rewards), group_size=group, estimator=cfg.train.advantage_estimator
+                )
             )
-        )
-        batch = rl_batch(result, adv, self.rollout.max_prompt_len + self.rollout.max_new_tokens)
+            batch = rl_batch(result, adv, self.rollout.max_prompt_len + self.rollout.max_new_tokens)
 
-        t0 = time.perf_counter()
-        bypass = cfg.learner.correction.bypass
-        if not bypass:  # with bypass the learner takes pi_old := mu (no recompute)
-            old_params = published_params(
-                self.publisher.sent_bits, self.state.params, cfg.sync.jnp_publish_dtype
-            )
-            batch = batch._replace(old_logp_bt=self.learner.logprobs(old_params, batch.tokens_bt))
-        t_old = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            bypass = cfg.learner.correction.bypass
+            if not bypass:  # with bypass the learner takes pi_old := mu (no recompute)
+                old_params = published_params(
+                    self.publisher.sent_bits, self.state.params, cfg.sync.jnp_publish_dtype
+                )
+                old_logp = self.learner.logprobs(old_params, batch.tokens_bt)
+                batch = batch._replace(old_logp_bt=old_logp)
+            t_old = time.perf_counter() - t0
+        guard.mark(f"update:{step}", f"the update of step {step}")
 
         t0 = time.perf_counter()
         self.state, history = self.learner.train_on_batch(self.state, batch)
@@ -202,18 +214,24 @@ class _Run:
         row["actor/old_log_prob_bypassed"] = int(bypass)
         return row
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, guard: PreemptionGuard, pending_row: dict | None = None) -> None:
+        """Checkpoint `step` (asynchronously). `pending_row`: the step's metrics row when its
+        evaluation was stopped: the next run completes it with its first evaluation."""
         meta = {
             "data_state": _jsonable(self.data_it.get_state()),
             "sync_version": self.publisher.version,
             "sync_run_id": self.publisher.run_id,
         }
+        if pending_row is not None:
+            meta["pending_row"] = _jsonable(pending_row)
         self.ckpt.save(step, {"learner": self.state}, meta)
+        guard.mark(f"save:{step}", f"the save of checkpoint step {step}")
 
 
-def _start(cfg: Config, log_fn) -> _Run:
+def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
     """Build everything; resume from the newest checkpoint, or warm-start (SFT) and save step 0;
-    give the sampler its first weights."""
+    give the sampler its first weights. A signal during the SFT stage raises `Preempted` (no
+    checkpoint is written: the next run starts the SFT stage again)."""
     tcfg = cfg.train
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     rcfg = cfg.rollout
@@ -238,7 +256,12 @@ def _start(cfg: Config, log_fn) -> _Run:
     else:
         if cfg.sft.steps:
             t0 = time.perf_counter()
-            losses = sft_warm_start(model, cfg.sft, cfg.data, tokenizer)
+
+            def sft_step(i: int, _) -> None:
+                guard.mark(f"sft:{i}", f"the SFT warm start ({i}/{cfg.sft.steps} steps done)")
+
+            with guard.abortable("sft:0", f"the SFT warm start (0/{cfg.sft.steps} steps done)"):
+                losses = sft_warm_start(model, cfg.sft, cfg.data, tokenizer, on_step=sft_step)
             log_fn(
                 f"SFT warm start: {cfg.sft.steps} steps, loss {losses[0]:.3f} -> "
                 f"{losses[-1]:.3f} in {time.perf_counter() - t0:.1f}s"
@@ -248,6 +271,7 @@ def _start(cfg: Config, log_fn) -> _Run:
         ckpt.save(
             0, {"learner": state}, {"data_state": None, "sync_version": 0, "sync_run_id": run_id}
         )
+        guard.mark("save:0", "the save of checkpoint step 0")
 
     # The sync's baseline is bf16(master), re-derived exactly from the restored master; the
     # version numbering continues from the checkpoint (a new chain starts with an anchor).
@@ -277,6 +301,7 @@ def _start(cfg: Config, log_fn) -> _Run:
         data_it=prompt_iterator(cfg.data, state=data_state),
         start_step=start_step,
         resumed=restored is not None,
+        pending_row=restored[1].get("pending_row") if restored is not None else None,
     )
 
 
@@ -285,53 +310,90 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
 
     `log_fn(message)` receives progress messages; `on_step(step, metrics)` is called after each
     RL step with the row written to `metrics.jsonl` (for custom logging or early stopping).
+
+    SIGTERM or SIGINT (Ctrl-C) stops the run with a consistent checkpoint (none during the SFT
+    stage) and one `log_fn` line saying where (`_stopped`); a rollout or evaluation in progress
+    is dropped (the next run redoes it), an update or a save is finished first. Running the same
+    command again continues as if the run had never stopped.
     """
     check_config(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    run = _start(cfg, log_fn)
-    tcfg = cfg.train
-    held_out = eval_examples(cfg.data, tcfg.eval_examples) if tcfg.eval_examples else []
-    held_prompts = encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
+    summary: dict[str, Any] = {"run_dir": str(run_dir)}
+    with PreemptionGuard(STOP_SIGNALS) as guard:
+        try:
+            run = _start(cfg, log_fn, guard)
+        except Preempted:
+            return _stopped(summary, guard, None, log_fn)
+        summary["start_step"] = run.start_step
+        try:
+            step, rewards_seen, stopped = _loop(run, guard, summary, log_fn, on_step)
+        finally:
+            run.ckpt.wait()
+            run.ckpt.close()
+    if stopped:
+        return _stopped(summary, guard, step, log_fn)
+    summarise_rewards(summary, rewards_seen, run.rollout.temperature, run.start_step, step, log_fn)
+    metrics = run_dir / "metrics.jsonl"
+    summary.update(end_step=step, metrics=str(metrics))
+    if cfg.train.plot and step > run.start_step:
+        summary["plot"] = str(plot_metrics(metrics, run_dir / "metrics.png", list(PLOTTED)))
+    return summary
+
+
+def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[int, list, bool]:
+    """Evaluate, run the RL steps, evaluate. Returns the last step done, the steps' mean
+    rewards, and whether a signal stopped the run (checkpoint `step` is then saved or saving)."""
+    tcfg = run.cfg.train
     # Idempotent outputs: rows a killed run wrote after its last checkpoint are re-run, so they
     # are dropped; the "before" evaluation is written only if that step has no row yet.
     write_before = True
     if run.resumed:
-        kept = truncate_metrics(run_dir, run.start_step)
+        kept = truncate_metrics(run.cfg.run_dir, run.start_step)
         write_before = not any(r.get("step") == run.start_step for r in kept)
-    writer = MetricsWriter(run_dir, tensorboard=tcfg.tensorboard)
-    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": run.start_step}
+    writer = MetricsWriter(run.cfg.run_dir, tensorboard=tcfg.tensorboard)
+    held_out = eval_examples(run.cfg.data, tcfg.eval_examples) if tcfg.eval_examples else []
+    held_prompts = encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
 
-    def evaluate(step: int, when: str, write: bool = True) -> None:
-        val = run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn)
-        if val:
-            if write:
-                writer.write(step, val)
+    def evaluate(step: int, key: str, when: str) -> dict[str, float]:
+        with guard.abortable(f"{key}:{step}", f"the held-out evaluation {when} step {step}"):
+            val = run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn)
+        if val and key != "eval":
             summary[f"val_reward_{when}"] = val["val/reward_mean"]
             summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
             log_fn(
                 f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
                 f"{val['val/greedy_reward_mean']:.3f} (greedy)"
             )
+        return val
 
-    evaluate(run.start_step, "before", write=write_before)
-    bar = None
-    if tcfg.progress and tcfg.steps > run.start_step:
-        bar = tqdm(
-            total=tcfg.steps, initial=run.start_step, desc="train", unit="step", file=sys.stderr
-        )
-    step = run.start_step
+    step = saved = run.start_step  # checkpoint `saved` is on disk (or being written)
     rewards_seen: list[float] = []
-    with PreemptionGuard() as guard:
+    bar, done = None, False
+    try:
+        val = evaluate(step, "eval-before", "before")
+        # A row whose evaluation a signal stopped is completed by this one (the same weights).
+        if write_before and (val or run.pending_row):
+            writer.write(step, {**(run.pending_row or {}), **val})
+        if tcfg.progress and tcfg.steps > step:
+            bar = tqdm(total=tcfg.steps, initial=step, desc="train", unit="step", file=sys.stderr)
         while step < tcfg.steps and not guard.requested:
+            data_state = _jsonable(run.data_it.get_state())
+            try:
+                metrics = run.step(step + 1, guard)
+            except Preempted:  # the step is dropped: its batch comes first in the next run
+                run.data_it.set_state(data_state)
+                break
             step += 1
-            metrics = run.step(step)
             rewards_seen.append(metrics["critic/score/mean"])
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
-                metrics.update(
-                    run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn)
-                )
+                try:
+                    metrics.update(evaluate(step, "eval", "at"))
+                except Preempted:
+                    run.save(step, guard, pending_row=metrics)
+                    saved = step
+                    break
             row = writer.write(step, metrics)
             if on_step is not None:
                 on_step(step, row)
@@ -339,44 +401,40 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
                 bar.update(1)
                 bar.set_postfix(reward=f"{metrics['critic/score/mean']:.3f}")
             if step % tcfg.save_every == 0 or step == tcfg.steps or guard.requested:
-                run.save(step)
-    if bar is not None:
-        bar.close()
-    run.ckpt.wait()
-    if guard.requested:
-        log_fn(f"stopped by signal at step {step}; checkpoint saved")
-        summary.update(stopped_by_signal=True, end_step=step)
-        run.ckpt.close()
+                run.save(step, guard)
+                saved = step
+        if not guard.requested:
+            run.ckpt.wait()
+            val = evaluate(step, "eval-after", "after")
+            if val:
+                writer.write(step, val)
+            done = True
+    except Preempted:  # an evaluation between steps: nothing to save
+        pass
+    finally:
         writer.close()
-        return summary
+        if bar is not None:
+            bar.close()
+    if not done and saved != step:
+        run.save(step, guard)
+    return step, rewards_seen, not done
 
-    evaluate(step, "after")
-    writer.close()
-    run.ckpt.close()
-    _summarise(summary, rewards_seen, run.rollout.temperature, run.start_step, step, log_fn)
-    summary.update(end_step=step, metrics=str(writer.path))
-    if tcfg.plot and step > run.start_step:
-        summary["plot"] = str(plot_metrics(writer.path, run_dir / "metrics.png", list(PLOTTED)))
+
+def _stopped(summary: dict, guard: PreemptionGuard, step: int | None, log_fn) -> dict:
+    """The one line (and the summary) of a run a signal stopped; `step`: its newest checkpoint
+    (None: stopped before step 0 was saved, during the SFT stage)."""
+    if step is None:
+        outcome = "no checkpoint needed: the same command starts over with the SFT warm start"
+    else:
+        outcome = f"checkpoint step {step} is saved: the same command resumes from it"
+    log_fn(f"stopped by {guard.signal_name} during {guard.stopped_where}; {outcome}")
+    summary.update(
+        stopped_by_signal=True,
+        signal=guard.signal_name,
+        stopped_during=guard.stopped_where,
+        end_step=step,
+    )
     return summary
-
-
-def _summarise(summary: dict, rewards_seen: list[float], temperature, start, end, log_fn) -> None:
-    if rewards_seen:
-        k = max(1, len(rewards_seen) // 5)
-        summary["train_reward_first"] = float(np.mean(rewards_seen[:k]))
-        summary["train_reward_last"] = float(np.mean(rewards_seen[-k:]))
-    if "val_reward_before" in summary and "val_reward_after" in summary:
-        log_fn(
-            f"summary: held-out reward (sampled at T={temperature}) "
-            f"{summary['val_reward_before']:.3f} -> {summary['val_reward_after']:.3f}, greedy "
-            f"{summary['val_greedy_reward_before']:.3f} -> "
-            f"{summary['val_greedy_reward_after']:.3f}, over steps {start}..{end}"
-        )
-    if rewards_seen:
-        log_fn(
-            f"summary: sampled (training) reward {summary['train_reward_first']:.3f} in the "
-            f"first fifth of the steps -> {summary['train_reward_last']:.3f} in the last fifth"
-        )
 
 
 def _jsonable(x):

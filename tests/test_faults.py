@@ -2,15 +2,29 @@
 one-line CLI errors."""
 
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from sparserl_jax.build import build_tokenizer
+from sparserl_jax.build import build_model, build_tokenizer
+from sparserl_jax.checkpoint import (
+    STOP_SIGNALS,
+    TEST_SIGNAL_ENV,
+    CheckpointManager,
+    Preempted,
+    PreemptionGuard,
+)
 from sparserl_jax.cli import main
 from sparserl_jax.config import load_config
 from sparserl_jax.data import DataError, Example, RewardError, compute_rewards, encode_prompts
 from sparserl_jax.metrics import read_metrics, truncate_metrics
+from sparserl_jax.rl import Learner
+from sparserl_jax.testing import assert_trees_equal
 from sparserl_jax.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,3 +153,133 @@ def test_reward_fn_error_names_step_example_and_prompt():
     with pytest.raises(RewardError, match=r"step 5, example 2 .*a#2.*'2\+1='.*KeyError") as info:
         compute_rewards(reward, examples, ["x"] * 6, group_size=2, step=5)
     assert isinstance(info.value.__cause__, KeyError)
+
+
+# -- signals: a stop at any stage is consistent, and the same command resumes as if never stopped
+
+
+def _spin():
+    """Bytecode boundaries at which a pending Python signal handler runs."""
+    for _ in range(10**6):
+        pass
+    raise AssertionError("the signal handler did not run")
+
+
+def test_guard_stops_abortable_work_at_once_and_flags_the_rest():
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    with PreemptionGuard(STOP_SIGNALS) as guard:
+        guard.mark("update:1", "the update of step 1")
+        os.kill(os.getpid(), signal.SIGTERM)  # outside a region: the flag only
+        for _ in range(1000):
+            pass
+        assert guard.requested and guard.stopped_where == "the update of step 1"
+        guard.mark("save:1", "the save of checkpoint step 1")
+        entered = False
+        with (
+            pytest.raises(Preempted, match="SIGTERM during the update of step 1"),
+            guard.abortable("rollout:2", "the rollout of step 2"),
+        ):
+            entered = True  # a region is not entered once a signal came
+        assert not entered and guard.signal_name == "SIGTERM"
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before
+
+    with PreemptionGuard(STOP_SIGNALS) as guard:
+        with (
+            pytest.raises(Preempted, match="SIGINT during the rollout of step 3"),
+            guard.abortable("rollout:3", "the rollout of step 3"),
+        ):
+            os.kill(os.getpid(), signal.SIGINT)
+            _spin()
+        assert guard.requested and guard.signal_name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: stop now
+            os.kill(os.getpid(), signal.SIGINT)
+            _spin()
+    assert {s: signal.getsignal(s) for s in STOP_SIGNALS} == before
+
+
+def test_guard_test_hook_signals_at_the_named_stage(monkeypatch):
+    monkeypatch.setenv(TEST_SIGNAL_ENV, "sft:2")
+    with (
+        PreemptionGuard() as guard,
+        pytest.raises(Preempted, match=r"during the SFT warm start \(2/3"),
+        guard.abortable("sft:0", "the SFT warm start (0/3)"),
+    ):
+        for i in (1, 2):
+            guard.mark(f"sft:{i}", f"the SFT warm start ({i}/3 steps done)")
+        _spin()
+
+
+# Every stage a signal can stop, in the order one run directory meets them; each stop is resumed
+# by the next command: (test-hook stage, where the line says it stopped, checkpoints after it).
+STOPS = [
+    ("sft:2", r"the SFT warm start \(2/3 steps done\); no checkpoint needed", []),
+    ("eval-before:0", r"the held-out evaluation before step 0; checkpoint step 0 ", [0]),
+    ("rollout:2", r"the rollout of step 2; checkpoint step 1 ", [0, 1]),
+    ("update:2", r"the update of step 2; checkpoint step 2 ", [0, 1, 2]),
+    ("save:3", r"the save of checkpoint step 3; checkpoint step 3 ", [0, 1, 2, 3]),
+    ("eval:4", r"the held-out evaluation at step 4; checkpoint step 4 ", [0, 1, 2, 3, 4]),
+    (
+        "eval-after:6",
+        r"the held-out evaluation after step 6; checkpoint step 6 ",
+        [0, 1, 2, 3, 4, 6],
+    ),
+]
+SIGNAL_RUN = [
+    "train.steps=6",
+    "train.save_every=3",
+    "train.eval_every=2",
+    "train.eval_examples=2",
+    "train.keep_checkpoints=10",
+    "sft.steps=3",
+]
+
+
+def _cli_train(run_dir, stop_at=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", TEST_SIGNAL_ENV)}
+    if stop_at is not None:
+        env[TEST_SIGNAL_ENV] = stop_at
+    cmd = [sys.executable, "-m", "sparserl_jax", "train", TINY, f"run_dir={run_dir}", *SIGNAL_RUN]
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
+
+
+def _final_state(run_dir, step):
+    cfg = load_config(TINY, [f"run_dir={run_dir}"])
+    model = build_model(cfg.model)
+    mngr = CheckpointManager(run_dir, async_save=False)
+    state, meta = mngr.restore(step, {"learner": Learner(model, cfg.learner).init(model)})
+    mngr.close()
+    return state, meta
+
+
+def _rows(run_dir):
+    """The metrics rows without the wall-clock fields (timings differ from run to run)."""
+    drop = ("timing_s/", "perf/", "wall_time_s")
+    return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in read_metrics(run_dir)]
+
+
+@pytest.mark.slow
+def test_sigterm_at_every_stage_then_resume_equals_an_uninterrupted_run(tmp_path):
+    full, cut = tmp_path / "full", tmp_path / "cut"
+    summary, _ = _cli_train(full)
+    assert summary["end_step"] == 6 and "stopped_by_signal" not in summary
+    for stage, where, saved in STOPS:
+        summary, err = _cli_train(cut, stop_at=stage)
+        stopped = [line for line in err.splitlines() if line.startswith("stopped by")]
+        assert len(stopped) == 1 and err.count("stopped by") == 1, err
+        assert re.fullmatch(f"stopped by SIGTERM during {where}.*", stopped[0]), stopped[0]
+        assert summary["stopped_by_signal"] and summary["signal"] == "SIGTERM", summary
+        assert CheckpointManager(cut, async_save=False).steps() == saved, stage
+    summary, _ = _cli_train(cut)
+    assert summary["end_step"] == 6 and "stopped_by_signal" not in summary
+
+    assert _rows(cut) == _rows(full)
+    assert [r["step"] for r in _rows(cut)] == [0, 1, 2, 3, 4, 5, 6, 6]
+    assert "val/reward_mean" in _rows(cut)[4] and "critic/score/mean" in _rows(cut)[4]
+    state_full, meta_full = _final_state(full, 6)
+    state_cut, meta_cut = _final_state(cut, 6)
+    assert_trees_equal(state_cut, state_full, what="learner state")
+    assert meta_cut["data_state"] == meta_full["data_state"]
+    assert meta_cut["sync_version"] == meta_full["sync_version"]

@@ -6,7 +6,7 @@ from sparserl_jax.models.config import ModelConfig, RopeScaling
 from sparserl_jax.models.hf import CheckpointError, config_from_hf, from_hf, to_hf
 from sparserl_jax.models.presets import MODEL_PRESETS, model_preset
 from sparserl_jax.models.tokenizer import CharTokenizer, HFTokenizer
-from sparserl_jax.models.transformer import Transformer
+from sparserl_jax.models.transformer import Transformer, check_token_ids
 
 __all__ = [
     "CharTokenizer",
@@ -18,6 +18,7 @@ __all__ = [
     "ModelConfig",
     "RopeScaling",
     "Transformer",
+    "check_token_ids",
     "config_from_hf",
     "from_hf",
     "model_preset",

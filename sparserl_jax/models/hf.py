@@ -12,13 +12,14 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from sparserl_jax.models.config import ModelConfig, RopeScaling
@@ -35,6 +36,37 @@ _NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": 
 
 class CheckpointError(ValueError):
     """A Hugging Face directory that cannot be loaded as asked (names the file and tensor)."""
+
+
+def read_json(file: Path) -> Any:
+    """The parsed JSON of `file` (which must exist); a `CheckpointError` naming it and the
+    place of the fault when it is not JSON."""
+    try:
+        return json.loads(file.read_bytes().decode("utf-8"))
+    except json.JSONDecodeError as e:
+        raise CheckpointError(
+            f"{file}: malformed JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file}: not UTF-8 text (byte {e.start})") from e
+
+
+def read_hf_config(path: str | os.PathLike, **overrides) -> ModelConfig:
+    """The `ModelConfig` of the Hugging Face directory `path` (its `config.json`); every fault
+    (missing, malformed, a missing key, an unsupported feature) is a `CheckpointError` naming
+    the file."""
+    file = Path(path) / "config.json"
+    if not file.is_file():
+        raise CheckpointError(f"{file} not found (expected a local Hugging Face directory)")
+    hf = read_json(file)
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, got {type(hf).__name__}")
+    try:
+        return config_from_hf(hf, **overrides)
+    except KeyError as e:
+        raise CheckpointError(f"{file}: no {e.args[0]!r} key (needed to build the model)") from e
+    except (TypeError, ValueError) as e:  # CheckpointError included: add the file
+        raise CheckpointError(f"{file}: {e}") from e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,14 +272,17 @@ def _weight_files(path: Path) -> dict[str, Path]:
     index = path / "model.safetensors.index.json"
     single = path / "model.safetensors"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object (tensor name -> shard file)")
         files = {name: path / fname for name, fname in weight_map.items()}
         missing = sorted({str(f) for f in files.values() if not f.exists()})
         if missing:
             raise CheckpointError(f"{index} lists shard files that do not exist: {missing}")
         return files
     if single.exists():
-        with safe_open(single, framework="numpy") as f:
+        with _open_safetensors(single) as f:
             return {name: single for name in f.keys()}  # noqa: SIM118 (safe_open is no dict)
     found = sorted(p.name for p in path.glob("*.safetensors"))
     raise CheckpointError(
@@ -260,9 +295,21 @@ def _read_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[st
     for name in names:
         by_file.setdefault(files[name], []).append(name)
     for fname, members in by_file.items():
-        with safe_open(fname, framework="numpy") as f:
+        with _open_safetensors(fname) as f:
             for name in members:
-                yield name, f.get_tensor(name)
+                try:
+                    tensor = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise CheckpointError(f"{fname}: cannot read tensor {name} ({e})") from e
+                yield name, tensor
+
+
+def _open_safetensors(file: Path):
+    """`safe_open(file)`; a truncated file or a bad header is a `CheckpointError` naming it."""
+    try:
+        return safe_open(file, framework="numpy")
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from e
 
 
 def from_hf(
@@ -284,12 +331,7 @@ def from_hf(
       CheckpointError: unsupported architecture, missing or unexpected tensors, shape mismatch.
     """
     path = Path(path)
-    config_file = path / "config.json"
-    if not config_file.exists():
-        raise CheckpointError(f"{config_file} not found (expected a local Hugging Face directory)")
-    cfg = config_from_hf(
-        json.loads(config_file.read_text()), dtype=dtype, param_dtype=param_dtype, remat=remat
-    )
+    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
     mapping = tensor_mapping(cfg)
     files = _weight_files(path)
     expected = {hf_name for hf_name, *_ in mapping}
@@ -314,8 +356,8 @@ def from_hf(
         hf_shape = to_hf_fn(np.zeros(var.shape, np.int8)).shape
         if tensor.shape != hf_shape:
             raise CheckpointError(
-                f"{hf_name}: shape {tensor.shape} in the checkpoint, but config.json implies "
-                f"{hf_shape}"
+                f"{files[hf_name]}: {hf_name}: shape {tensor.shape} in the checkpoint, but "
+                f"config.json implies {hf_shape}"
             )
         value = to_model(tensor).astype(np.float32)
         var.set_value(jnp.asarray(value).astype(cfg.weight_dtype))

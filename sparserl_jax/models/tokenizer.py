@@ -6,11 +6,12 @@ Both expose the same small surface: `encode`, `decode`, `vocab_size`, `bos_id`, 
 
 from __future__ import annotations
 
-import json
 import os
 import string
 from collections.abc import Sequence
 from pathlib import Path
+
+from sparserl_jax.models.hf import CheckpointError, read_json
 
 
 class CharTokenizer:
@@ -67,6 +68,7 @@ class HFTokenizer:
     Special ids are read, in order of precedence, from `config.json` (`bos_token_id`,
     `eos_token_id` (int or list), `pad_token_id`), then `generation_config.json`, then the token
     strings in `tokenizer_config.json`. A missing pad id falls back to the first eos id.
+    A file that is corrupt or malformed is a `CheckpointError` naming it.
     """
 
     def __init__(self, tokenizer, *, bos_id: int | None, eos_ids: tuple[int, ...], pad_id: int):
@@ -83,11 +85,17 @@ class HFTokenizer:
         tok_file = path / "tokenizer.json"
         if not tok_file.exists():
             raise FileNotFoundError(f"{tok_file} not found (a local tokenizer.json is required)")
-        tok = Tokenizer.from_file(str(tok_file))
+        try:
+            tok = Tokenizer.from_file(str(tok_file))
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
+            raise CheckpointError(f"{tok_file}: not a readable tokenizer ({e})") from e
 
         def read(name: str) -> dict:
             f = path / name
-            return json.loads(f.read_text()) if f.exists() else {}
+            out = read_json(f) if f.exists() else {}
+            if not isinstance(out, dict):
+                raise CheckpointError(f"{f}: expected a JSON object, got {type(out).__name__}")
+            return out
 
         config, gen, tcfg = (
             read("config.json"),
@@ -108,7 +116,7 @@ class HFTokenizer:
         eos = token_id("eos")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         if not eos_ids:
-            raise ValueError(
+            raise CheckpointError(
                 f"{path}: no eos token id in config.json, generation_config.json or "
                 "tokenizer_config.json"
             )

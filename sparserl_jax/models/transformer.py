@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
@@ -137,6 +138,37 @@ def segment_positions(segment_ids_bt: Int[Array, "B T"]) -> Int[Array, "B T"]:
     return idx_bt - start_idx_bt
 
 
+def check_token_ids(tokens, vocab_size: int, what: str = "tokens") -> None:
+    """Raise ValueError naming the first id of `tokens` outside `[0, vocab_size)`, its position
+    and the vocabulary size (an out-of-range id would silently embed as NaN or zeros).
+
+    `tokens`: any integer array (numpy, a sequence, a `jax.Array`). A traced value (inside
+    `jit`, `vmap`, `grad`) is not checked: its values are unknown there and a check would cost
+    every step; the public entries (`Transformer.__call__`/`decode` called eagerly,
+    `RolloutEngine.generate`, `dense_logprobs`, `Learner.logprobs`/`step`) check their inputs
+    before they trace.
+    """
+    if isinstance(tokens, jax.core.Tracer):
+        return
+    if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:
+        lo, hi = (int(v) for v in jax.device_get((jnp.min(tokens), jnp.max(tokens))))
+        if lo < 0 or hi >= vocab_size:
+            raise ValueError(
+                f"{what}: token id {lo if lo < 0 else hi} is outside the vocabulary "
+                f"[0, {vocab_size})"
+            )
+        return
+    ids = np.asarray(tokens)
+    if ids.size == 0 or (ids.min() >= 0 and ids.max() < vocab_size):
+        return
+    bad = np.argwhere((ids < 0) | (ids >= vocab_size))
+    pos = tuple(int(i) for i in bad[0])
+    raise ValueError(
+        f"{what}: token id {int(ids[pos])} at position {pos[0] if len(pos) == 1 else pos} is "
+        f"outside the vocabulary [0, {vocab_size}) ({len(bad)} such ids)"
+    )
+
+
 class Embedding(nnx.Module):
     """Token embedding table `[V, D]`."""
 
@@ -169,6 +201,8 @@ class Transformer(nnx.Module):
             self.lm_head = LMHead(cfg, rngs=rngs)
 
     def embed_tokens(self, tokens_bt: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+        """Embedding rows of `tokens_bt`; concrete ids are checked first (`check_token_ids`)."""
+        check_token_ids(tokens_bt, self.cfg.vocab_size)
         return jnp.take(self.embed.embedding[...], tokens_bt, axis=0).astype(self.cfg.compute_dtype)
 
     def logits(self, h_btd: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
@@ -218,6 +252,8 @@ class Transformer(nnx.Module):
     ) -> Float[Array, "B T V"]:
         """Teacher-forced logits. `segment_ids` packs several sequences in a row: a token attends
         only to earlier tokens of its own segment, and positions restart per segment unless given.
+        Ids outside the vocabulary are a ValueError when `tokens_bt` is concrete (called outside
+        `jit`); traced, they are not checked (see `check_token_ids`).
         """
         return self.logits(self.hidden_states(tokens_bt, positions, segment_ids))
 

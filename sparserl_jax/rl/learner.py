@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.parallel import batch_sharding, state_shardings
 from sparserl_jax.rl.config import LearnerConfig, LossConfig
 from sparserl_jax.rl.correction import sparse_rl_weights
@@ -294,6 +295,7 @@ class Learner:
                 "build the model with param_dtype='float32' (compute dtype may be bfloat16)"
             )
         self.tied = "lm_head" not in params
+        self.vocab_size = params["embed"]["embedding"].shape[0]
         self.tx = config.optimizer.build()
         self.gate = dynamic_gradient_gating(config.gating)
         self._steps: dict[bool, Any] = {}
@@ -358,12 +360,13 @@ class Learner:
         the same function on reference weights gives pi_ref): `teacher_forced_logprobs` (the
         one recompute, shared with `rollout.dense_logprobs`) at the loss temperature, over the
         learner's micro-batches, on the batch sharding when there is a mesh."""
-        self._check_batch_size(tokens_bt.shape[0])
+        self._check_batch(tokens_bt)
         tokens_bt = self._shard_batch(jnp.asarray(tokens_bt, jnp.int32))
         return self._logprobs(params, tokens_bt)
 
-    def _check_batch_size(self, b: int) -> None:
-        m = self.config.num_micro_batches
+    def _check_batch(self, tokens_bt) -> None:
+        check_token_ids(tokens_bt, self.vocab_size, "learner batch tokens_bt")
+        b, m = tokens_bt.shape[0], self.config.num_micro_batches
         shards = batch_shards(self.mesh)
         if b % (m * shards):
             raise ValueError(
@@ -415,7 +418,7 @@ class Learner:
             )
         if self.config.loss.kl_coef == 0:
             batch = batch._replace(ref_logp_bt=None)
-        self._check_batch_size(batch.tokens_bt.shape[0])
+        self._check_batch(batch.tokens_bt)
         batch = RLBatch(*(self._shard_batch(x) for x in batch))
         step = self._compiled_step(batch.ref_logp_bt is not None)
         return step(state, batch, jnp.asarray(pass_index, jnp.int32))

@@ -42,6 +42,7 @@ from sparserl_jax.kvcache import (
     should_compress,
 )
 from sparserl_jax.kvcache.paged import PoolExhaustedError
+from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.rollout.config import RolloutConfig, RolloutResult
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys
 
@@ -238,10 +239,7 @@ class RolloutEngine:
                     f"prompt {i} has {len(p)} tokens; allowed 1..max_prompt_len="
                     f"{cfg.max_prompt_len}"
                 )
-            if min(p) < 0 or max(p) >= self.model_cfg.vocab_size:
-                raise ValueError(
-                    f"prompt {i} has token ids outside [0, {self.model_cfg.vocab_size})"
-                )
+            check_token_ids(p, self.model_cfg.vocab_size, f"prompt {i}")
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts (one each)")
         if seeds is not None and any(not 0 <= int(x) < 2**32 for x in seeds):

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.rollout.sampling import shifted_token_logprobs
 
 
@@ -84,7 +85,8 @@ def dense_logprobs(
     when a model is given). `temperature` 0 means 1 (greedy sampling records T = 1 logprobs).
     `positions_bt` defaults to `0..T-1`. `micro_batch_size` bounds the `[b, T, V]` logits held at
     once (`teacher_forced_logprobs` over `ceil(B / micro_batch_size)` micro-batches, the rows
-    padded to a multiple of it). Jitted: same shapes and dtypes never recompile.
+    padded to a multiple of it). Jitted: same shapes and dtypes never recompile. An id outside
+    the vocabulary is a ValueError (`models.check_token_ids`).
     """
     if isinstance(model, nnx.GraphDef):
         graphdef = model
@@ -94,6 +96,7 @@ def dense_logprobs(
         graphdef, state = nnx.split(model)
         if params is None:
             params = nnx.to_pure_dict(state)
+    check_token_ids(tokens_bt, params["embed"]["embedding"].shape[0], "dense_logprobs tokens_bt")
     tokens_bt = jnp.asarray(tokens_bt, jnp.int32)
     b = tokens_bt.shape[0]
     if positions_bt is None:

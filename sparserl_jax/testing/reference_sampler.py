@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from sparserl_jax.models.cache import DenseKVCache
-from sparserl_jax.models.transformer import Transformer
+from sparserl_jax.models.transformer import Transformer, check_token_ids
 from sparserl_jax.rollout.sampling import sample
 
 
@@ -112,6 +112,7 @@ def generate(
 ) -> Generation:
     """Generate completions for token-id prompts (greedy when `temperature == 0`)."""
     prompts_bp, lengths_b = pad_prompts(prompts, pad_id)
+    check_token_ids(prompts_bp, model.cfg.vocab_size, "prompts")
     graphdef, state = nnx.split(model)
     stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
     tok, logp, mask = _generate(

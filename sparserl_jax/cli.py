@@ -64,6 +64,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(_error(e) + " (run with --debug for the traceback)", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a second Ctrl-C (the first stops the run at a safe point)
+        print(
+            "sparserl: interrupted at once; the next run resumes from the newest checkpoint",
+            file=sys.stderr,
+        )
+        return 130
     print(json.dumps(summary))
     return 0
 

@@ -33,6 +33,11 @@ def _scalar(value: Any) -> float | int | str | bool | None:
     return v
 
 
+def jsonable_row(metrics: Mapping[str, Any]) -> dict:
+    """`metrics` as the JSON scalars a row holds (non-finite floats as strings)."""
+    return {k: _scalar(v) for k, v in metrics.items()}
+
+
 class MetricsWriter:
     """Append-only JSONL metrics (and optional TensorBoard event files)."""
 
@@ -54,7 +59,7 @@ class MetricsWriter:
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Record one step; `step` and `wall_time_s` are added. Returns the row written."""
         row = {"step": int(step), "wall_time_s": round(time.time() - self._start, 3)}
-        row.update({k: _scalar(v) for k, v in metrics.items()})
+        row.update(jsonable_row(metrics))
         self._file.write(json.dumps(row) + "\n")
         if self._tb is not None:
             for k, v in row.items():

@@ -47,6 +47,7 @@ from sparserl_jax.data import (
 )
 from sparserl_jax.metrics import (
     MetricsWriter,
+    jsonable_row,
     plot_metrics,
     step_metrics,
     summarise_rewards,
@@ -223,7 +224,7 @@ class _Run:
             "sync_run_id": self.publisher.run_id,
         }
         if pending_row is not None:
-            meta["pending_row"] = _jsonable(pending_row)
+            meta["pending_row"] = jsonable_row(pending_row)
         self.ckpt.save(step, {"learner": self.state}, meta)
         guard.mark(f"save:{step}", f"the save of checkpoint step {step}")
 
@@ -316,12 +317,12 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     is dropped (the next run redoes it), an update or a save is finished first. Running the same
     command again continues as if the run had never stopped.
     """
-    check_config(cfg)
     run_dir = Path(cfg.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     with PreemptionGuard(STOP_SIGNALS) as guard:
+        check_config(cfg)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
         try:
             run = _start(cfg, log_fn, guard)
         except Preempted:
@@ -375,7 +376,9 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
         val = evaluate(step, "eval-before", "before")
         # A row whose evaluation a signal stopped is completed by this one (the same weights).
         if write_before and (val or run.pending_row):
-            writer.write(step, {**(run.pending_row or {}), **val})
+            row = writer.write(step, {**(run.pending_row or {}), **val})
+            if run.pending_row and on_step is not None:
+                on_step(step, row)
         if tcfg.progress and tcfg.steps > step:
             bar = tqdm(total=tcfg.steps, initial=step, desc="train", unit="step", file=sys.stderr)
         while step < tcfg.steps and not guard.requested:
@@ -428,12 +431,8 @@ def _stopped(summary: dict, guard: PreemptionGuard, step: int | None, log_fn) ->
     else:
         outcome = f"checkpoint step {step} is saved: the same command resumes from it"
     log_fn(f"stopped by {guard.signal_name} during {guard.stopped_where}; {outcome}")
-    summary.update(
-        stopped_by_signal=True,
-        signal=guard.signal_name,
-        stopped_during=guard.stopped_where,
-        end_step=step,
-    )
+    summary.update(stopped_by_signal=True, signal=guard.signal_name, end_step=step)
+    summary["stopped_during"] = guard.stopped_where
     return summary
 
 

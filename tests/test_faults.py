@@ -9,7 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import (
@@ -20,11 +26,15 @@ from sparserl_jax.checkpoint import (
     PreemptionGuard,
 )
 from sparserl_jax.cli import main
-from sparserl_jax.config import load_config
+from sparserl_jax.config import ModelSpec, load_config
 from sparserl_jax.data import DataError, Example, RewardError, compute_rewards, encode_prompts
 from sparserl_jax.metrics import read_metrics, truncate_metrics
-from sparserl_jax.rl import Learner
-from sparserl_jax.testing import assert_trees_equal
+from sparserl_jax.models import CheckpointError, DenseKVCache, HFTokenizer, from_hf, to_hf
+from sparserl_jax.rl import Learner, LearnerConfig
+from sparserl_jax.rollout import RolloutConfig, RolloutEngine, dense_logprobs
+from sparserl_jax.testing import assert_trees_equal, tiny_model
+from sparserl_jax.testing.learner import make_batch
+from sparserl_jax.testing.reference_sampler import generate as reference_generate
 from sparserl_jax.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -283,3 +293,207 @@ def test_sigterm_at_every_stage_then_resume_equals_an_uninterrupted_run(tmp_path
     assert_trees_equal(state_cut, state_full, what="learner state")
     assert meta_cut["data_state"] == meta_full["data_state"]
     assert meta_cut["sync_version"] == meta_full["sync_version"]
+
+
+# -- token ids outside the vocabulary are an error at every public entry --------------------------
+
+V = 67  # tiny_model's vocabulary
+OOV = r"token id {id} at position {pos} is outside the vocabulary \[0, 67\)"
+
+
+def _tokens(bad_at=None, value=V):
+    tokens = np.arange(2 * 6, dtype=np.int32).reshape(2, 6) % V
+    if bad_at is not None:
+        tokens[bad_at] = value
+    return tokens
+
+
+def test_model_call_and_decode_check_concrete_token_ids():
+    model = tiny_model()
+    assert np.isfinite(np.asarray(model(jnp.asarray(_tokens())))).all()
+    for value in (V, 10**6, -1):
+        with pytest.raises(ValueError, match=OOV.format(id=value, pos=r"\(1, 4\)")):
+            model(jnp.asarray(_tokens((1, 4), value)))
+    with pytest.raises(ValueError, match=OOV.format(id=V, pos=r"\(0, 2\)")):
+        model(_tokens((0, 2)))  # numpy input too
+    cfg = model.cfg
+    cache = DenseKVCache.create(
+        num_layers=cfg.num_layers,
+        batch=2,
+        max_len=8,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+    )
+    with pytest.raises(ValueError, match=OOV.format(id=V, pos=r"\(1, 0\)")):
+        model.decode(jnp.asarray([[3], [V]], jnp.int32), cache)
+    # Traced (inside jit) ids are not checked: the values are unknown there (documented).
+    graphdef, state = nnx.split(model)
+    logits = jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(_tokens((0, 0))))
+    assert logits.shape == (2, 6, V)
+
+
+def test_generate_checks_prompt_ids():
+    model = tiny_model()
+    engine = RolloutEngine(model, RolloutConfig(num_slots=2, max_prompt_len=4, max_new_tokens=2))
+    with pytest.raises(ValueError, match=r"prompt 1: token id 67 at position 2 is outside"):
+        engine.generate([[1, 2], [1, 2, V]])
+    with pytest.raises(ValueError, match=r"prompts: token id -3 at position \(0, 1\)"):
+        reference_generate(model, [[1, -3]], max_new_tokens=2)
+
+
+def test_dense_logprobs_and_learner_check_token_ids():
+    model = tiny_model(param_dtype="float32", dtype="float32")
+    bad = _tokens((1, 5))
+    match = OOV.format(id=V, pos=r"\(1, 5\)")
+    with pytest.raises(ValueError, match="dense_logprobs tokens_bt: " + match):
+        dense_logprobs(model, None, bad)
+    graphdef, state = nnx.split(model)
+    with pytest.raises(ValueError, match=match):
+        dense_logprobs(graphdef, nnx.to_pure_dict(state), jnp.asarray(bad))
+    learner = Learner(model, LearnerConfig())
+    state = learner.init(model)
+    with pytest.raises(ValueError, match="learner batch tokens_bt: " + match):
+        learner.logprobs(state.params, bad)
+    batch = make_batch()
+    tokens = np.array(batch.tokens_bt)
+    tokens[3, 7] = -1
+    batch = batch._replace(tokens_bt=tokens, old_logp_bt=batch.sampler_logp_bt)
+    with pytest.raises(ValueError, match=OOV.format(id=-1, pos=r"\(3, 7\)")):
+        learner.train_on_batch(state, batch)
+
+
+# -- a corrupt Hugging Face directory is a CheckpointError naming the file ----------------------
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    """A tiny exported model and a word-level tokenizer.json, as a Hugging Face directory."""
+    from tokenizers import Tokenizer, models
+
+    path = to_hf(tiny_model(), tmp_path / "hf")
+    vocab = {"<s>": 0, "</s>": 1, "hello": 2, "[UNK]": 3}
+    Tokenizer(models.WordLevel(vocab, unk_token="[UNK]")).save(str(path / "tokenizer.json"))
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, eos_token_id=1)))
+    assert from_hf(path).cfg.vocab_size == V and HFTokenizer.from_dir(path).eos_ids == (1,)
+    return path
+
+
+def _safetensors(path):
+    return path / "model.safetensors"
+
+
+def _truncate(file, keep):
+    data = file.read_bytes()
+    file.write_bytes(data[: keep if keep >= 0 else len(data) + keep])
+
+
+def _bad_header(file):
+    data = bytearray(file.read_bytes())
+    data[8:16] = b"{garbage"
+    file.write_bytes(bytes(data))
+
+
+def _rewrite_tensors(file, change):
+    with safe_open(file, framework="numpy") as f:
+        tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
+    change(tensors)
+    save_file(tensors, str(file))
+
+
+def _drop_keys(file, *keys):
+    cfg = json.loads(file.read_text())
+    file.write_text(json.dumps({k: v for k, v in cfg.items() if k not in keys}))
+
+
+WEIGHT_FAULTS = [
+    ("truncated", lambda p: _truncate(_safetensors(p), -100), "model.safetensors: not a readable"),
+    ("short header", lambda p: _truncate(_safetensors(p), 20), "model.safetensors: not a readable"),
+    ("empty", lambda p: _truncate(_safetensors(p), 0), "model.safetensors: not a readable"),
+    ("bad header", lambda p: _bad_header(_safetensors(p)), r"model.safetensors: .*invalid JSON"),
+    (
+        "config not JSON",
+        lambda p: _truncate(p / "config.json", 40),
+        r"config.json: malformed JSON \(.* at line 1, column",
+    ),
+    (
+        "config a list",
+        lambda p: (p / "config.json").write_text("[1, 2]"),
+        "config.json: expected a JSON object, got list",
+    ),
+    (
+        "config without hidden_size",
+        lambda p: _drop_keys(p / "config.json", "hidden_size"),
+        "config.json: no 'hidden_size' key",
+    ),
+    (
+        "missing tensor",
+        lambda p: _rewrite_tensors(
+            _safetensors(p), lambda t: t.pop("model.layers.1.mlp.up_proj.weight")
+        ),
+        r"missing tensors \['model.layers.1.mlp.up_proj.weight'\]",
+    ),
+    (
+        "wrong shape",
+        lambda p: _rewrite_tensors(
+            _safetensors(p), lambda t: t.update({"model.norm.weight": np.ones(5, np.float32)})
+        ),
+        r"model.safetensors: model.norm.weight: shape \(5,\) in the checkpoint",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, corrupt, match", WEIGHT_FAULTS, ids=[f[0] for f in WEIGHT_FAULTS])
+def test_corrupt_hf_weights_and_config_name_the_file(hf_dir, name, corrupt, match):
+    corrupt(hf_dir)
+    with pytest.raises(CheckpointError, match=match) as info:
+        from_hf(hf_dir)
+    assert str(hf_dir) in str(info.value)
+    if "config" in name:  # the config section reads config.json too
+        spec = ModelSpec(hf_dir=str(hf_dir))
+        with pytest.raises(CheckpointError, match=match):
+            spec.model_config()
+
+
+def test_corrupt_sharded_index_names_the_file(tmp_path):
+    path = to_hf(tiny_model(), tmp_path / "sharded", max_shard_bytes=20_000)
+    index = path / "model.safetensors.index.json"
+    good = index.read_text()
+    _truncate(index, 30)
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: malformed JSON"):
+        from_hf(path)
+    index.write_text(json.dumps({"metadata": {}}))
+    with pytest.raises(CheckpointError, match="index.json: no 'weight_map'"):
+        from_hf(path)
+    # The index sends a tensor to a shard that does not hold it.
+    weight_map = json.loads(good)["weight_map"]
+    shards = sorted(set(weight_map.values()))
+    name = next(n for n, f in weight_map.items() if f == shards[0])
+    weight_map[name] = shards[1]
+    index.write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match=f"{shards[1]}: cannot read tensor {name}"):
+        from_hf(path)
+
+
+TOKENIZER_FAULTS = [
+    ("tokenizer.json", lambda p: _truncate(p / "tokenizer.json", 50), "not a readable tokenizer"),
+    ("tokenizer.json", lambda p: (p / "tokenizer.json").write_text("{}"), "not a readable tok"),
+    (
+        "tokenizer_config.json",
+        lambda p: (p / "tokenizer_config.json").write_text('{"eos_token": '),
+        "malformed JSON",
+    ),
+    ("config.json", lambda p: _truncate(p / "config.json", 40), "malformed JSON"),
+    (
+        "generation_config.json",
+        lambda p: (p / "generation_config.json").write_text('"eos"'),
+        "expected a JSON object, got str",
+    ),
+]
+
+
+@pytest.mark.parametrize("file, corrupt, match", TOKENIZER_FAULTS)
+def test_corrupt_tokenizer_files_name_the_file(hf_dir, file, corrupt, match):
+    corrupt(hf_dir)
+    with pytest.raises(CheckpointError, match=f"{re.escape(str(hf_dir / file))}: {match}"):
+        HFTokenizer.from_dir(hf_dir)

@@ -409,7 +409,7 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
         if not guard.requested:
             run.ckpt.wait()
             val = evaluate(step, "eval-after", "after")
-            if val:
+            if val and step > run.start_step:  # else the "before" row is of these weights
                 writer.write(step, val)
             done = True
     except Preempted:  # an evaluation between steps: nothing to save

@@ -68,6 +68,15 @@ def test_resume_never_duplicates_metrics_rows(tmp_path):
     assert not any("stale" in r for r in rows)
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and all(json.loads(line) for line in lines)
+    # The same command once more, on a finished run: nothing to do, nothing written.
+    before = (tmp_path / "metrics.jsonl").read_text()
+    cfg = load_config(
+        TINY, [f"run_dir={tmp_path}", *FAST, "train.steps=3", "train.eval_examples=2"]
+    )
+    summary = train(cfg, log_fn=lambda m: None)
+    assert "val_reward_after" in summary
+    assert summary["start_step"] == summary["end_step"] == 3
+    assert (tmp_path / "metrics.jsonl").read_text() == before
 
 
 def _no_build(monkeypatch):

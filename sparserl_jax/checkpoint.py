@@ -1,22 +1,34 @@
 """Orbax checkpoints of everything a run needs to resume bit for bit, and SIGTERM handling.
 
-A checkpoint is two items under `<run_dir>/checkpoints/<step>/`:
+A checkpoint is three items under `<run_dir>/checkpoints/<step>/`, committed together by Orbax:
 - `state`: a pytree of arrays (master params, optimizer state, RNG key data, sync baseline, DGG
   window, ...), saved asynchronously with each array's sharding;
-- `meta`: a JSON dict (step, data-iterator state, sync version, config, anything small).
+- `meta`: a JSON dict (step, data-iterator state, sync version, config, anything small);
+- `digests`: every array's path, shape, dtype and 64-bit digest of its bits (PULSESync's
+  order-free leaf digest, `sync.mask.leaf_digests`, computed where the array lives: two scalars
+  per leaf leave the devices), and a SHA-256 of the canonical JSON of `meta`.
 
-`restore_latest` walks back from the newest step: a checkpoint that fails to restore (truncated,
-corrupt, half-written) is skipped with a warning and the previous one is used.
+Restoring checks first that the stored arrays have the paths, shapes and dtypes the caller
+expects (`CheckpointMismatchError`, naming the first difference: a config error, nothing is
+loaded), then restores and recomputes every digest. `restore_latest` walks back from the newest
+step: a checkpoint that fails (unreadable, truncated, a digest that differs) is reported in one
+log line, moved aside to `<run_dir>/checkpoints.corrupt/<step>-<time>` (never deleted) and the
+previous one is tried, so a run that fell back later saves that step again without colliding.
+Checkpoints written before digests existed restore unverified, with a warning.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
+import re
+import shutil
 import signal
 import threading
-import warnings
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,21 +37,35 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from sparserl_jax.sync.mask import leaf_digests, publish_bits
+
 log = logging.getLogger(__name__)
+
+DIGESTS_FORMAT = 1
+
+
+class CheckpointError(Exception):
+    """A checkpoint step cannot be used: unreadable, incomplete or failing its digests."""
+
+
+class CheckpointMismatchError(ValueError):
+    """The stored arrays do not have the structure, shapes or dtypes the run expects."""
 
 
 class CheckpointManager:
-    """Keep the newest `keep` checkpoints of a run; save asynchronously; restore with fallback."""
+    """Keep the newest `keep` checkpoints of a run; save asynchronously; restore verified, with
+    fallback (module docstring)."""
 
     def __init__(self, run_dir: str | Path, *, keep: int = 3, async_save: bool = True):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.directory = Path(run_dir).absolute() / "checkpoints"
+        self.corrupt_directory = Path(run_dir).absolute() / "checkpoints.corrupt"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
         self._mngr = ocp.CheckpointManager(
-            self.directory, options=options, item_names=("state", "meta")
+            self.directory, options=options, item_names=("state", "meta", "digests")
         )
 
     def steps(self) -> list[int]:
@@ -47,12 +73,20 @@ class CheckpointManager:
 
     def save(self, step: int, state: Any, meta: dict | None = None, *, force: bool = True) -> None:
         """Start saving `state` (pytree of arrays) and `meta` (JSON) as `step`; returns at once
-        when async. The arrays are copied before this returns, so the caller may donate them."""
+        when async. The arrays are copied before this returns, so the caller may donate them.
+        The digests are computed first, on the devices (a pass over the state, no host copy)."""
         meta = dict(meta or {}, step=int(step))
+        digests = {
+            "format": DIGESTS_FORMAT,
+            "arrays": array_digests(state),
+            "meta_sha256": _meta_sha256(meta),
+        }
         self._mngr.save(
             step,
             args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave(meta),
+                digests=ocp.args.JsonSave(digests),
             ),
             force=force,
         )
@@ -63,28 +97,90 @@ class CheckpointManager:
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restore `step` into the structure, dtypes and shardings of `abstract_state` (a pytree
-        of arrays or `jax.ShapeDtypeStruct`s)."""
+        of arrays or `jax.ShapeDtypeStruct`s), verified against its digests.
+
+        Raises `CheckpointMismatchError` when the stored arrays differ in structure, shape or
+        dtype from `abstract_state`, and `CheckpointError` (one line: step, file or array, what
+        failed) when the step cannot be read or a digest differs.
+        """
         abstract = jax.tree.map(_abstract, abstract_state)
-        out = self._mngr.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-            ),
-        )
-        return out["state"], out["meta"]
+        stored = self._read_digests(step)
+        if stored is not None:
+            check_structure(stored["arrays"], abstract, step)
+        try:
+            out = self._mngr.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
+                ),
+            )
+        except Exception as e:  # noqa: BLE001 (Orbax/TensorStore raise many kinds)
+            raise CheckpointError(f"checkpoint step {step}: {_one_line(e)}") from e
+        state, meta = out["state"], out["meta"]
+        if stored is None:
+            log.warning(
+                "checkpoint step %d in %s has no digests (written by an older version): "
+                "restored unverified",
+                step,
+                self.directory,
+            )
+            return state, meta
+        if _meta_sha256(meta) != stored["meta_sha256"]:
+            raise CheckpointError(f"checkpoint step {step}: meta (meta/) fails its digest")
+        got = array_digests(state)
+        for path, want in stored["arrays"].items():
+            if got[path]["digest"] != want["digest"]:
+                raise CheckpointError(
+                    f"checkpoint step {step}: array {path} (state/) fails its digest "
+                    f"({got[path]['digest']} != stored {want['digest']})"
+                )
+        return state, meta
 
     def restore_latest(self, abstract_state: Any) -> tuple[Any, dict] | None:
-        """The newest checkpoint that restores cleanly, or None when the run has none."""
+        """The newest checkpoint that restores and verifies, or None when the run has none.
+
+        Each step that fails is reported in one log line and moved aside (module docstring);
+        a `CheckpointMismatchError` (the run's config does not match) is raised at once.
+        """
         for step in reversed(self.steps()):
             try:
                 return self.restore(step, abstract_state)
-            except Exception as e:  # noqa: BLE001 (any failure means: this one is unusable)
-                warnings.warn(
-                    f"checkpoint step {step} in {self.directory} could not be restored "
-                    f"({type(e).__name__}: {e}); falling back to the previous one",
-                    stacklevel=2,
-                )
+            except CheckpointError as e:
+                moved = self.move_aside(step)
+                log.warning("%s; moved to %s, falling back to the previous checkpoint", e, moved)
         return None
+
+    def move_aside(self, step: int) -> Path:
+        """Move checkpoint `step` out of the run's checkpoints (into `corrupt_directory`, never
+        deleted) so that a later save of the same step does not collide with it."""
+        self._mngr.wait_until_finished()
+        src = self.directory / str(step)
+        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+        dst = self.corrupt_directory / f"{step}-{stamp}"
+        n = 1
+        while dst.exists():
+            dst, n = self.corrupt_directory / f"{step}-{stamp}-{n}", n + 1
+        self.corrupt_directory.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(src), str(dst))
+        self._mngr.reload()
+        return dst
+
+    def _read_digests(self, step: int) -> dict | None:
+        """The step's stored digests; None for a checkpoint written before digests existed."""
+        step_dir = self.directory / str(step)
+        path = step_dir / "digests" / "metadata"
+        if not (step_dir / "digests").exists():
+            if _written_with_digests(step_dir):
+                raise CheckpointError(f"checkpoint step {step}: digests/ is missing")
+            return None
+        try:
+            digests = json.loads(path.read_text())
+            if digests.get("format") != DIGESTS_FORMAT or not isinstance(digests["arrays"], dict):
+                raise ValueError(f"unknown digests format {digests.get('format')!r}")
+            str(digests["meta_sha256"])
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint step {step}: {path} is unreadable: {e}") from e
+        return digests
 
     def close(self) -> None:
         self._mngr.wait_until_finished()
@@ -95,6 +191,85 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+@jax.jit
+def _device_digests(tree):
+    return leaf_digests(publish_bits(tree, None))
+
+
+def array_digests(state: Any) -> dict[str, dict[str, Any]]:
+    """`{path: {"shape", "dtype", "digest"}}` of every array leaf of `state`: the 64-bit
+    order-free digest of its bits, computed where it lives (shards reduce locally)."""
+    leaves = jax.tree_util.tree_leaves_with_path(state)
+    # One program per set of devices the leaves live on (a jitted call takes one set).
+    groups: dict[Any, list[int]] = {}
+    for i, (_, leaf) in enumerate(leaves):
+        where = leaf.sharding.device_set if isinstance(leaf, jax.Array) else None
+        groups.setdefault(frozenset(where) if where else None, []).append(i)
+    lanes: list[Any] = [None] * len(leaves)
+    for members in groups.values():
+        got = jax.device_get(_device_digests([leaves[i][1] for i in members]))
+        for i, lane in zip(members, got, strict=True):
+            lanes[i] = lane
+    return {
+        jax.tree_util.keystr(path): {
+            "shape": list(np.shape(leaf)),
+            "dtype": np.dtype(leaf.dtype).name,
+            "digest": f"{int(lane[0]):08x}{int(lane[1]):08x}",
+        }
+        for (path, leaf), lane in zip(leaves, lanes, strict=True)
+    }
+
+
+def check_structure(stored: dict[str, dict], abstract: Any, step: int) -> None:
+    """Raise `CheckpointMismatchError` naming the first array whose path, shape or dtype in
+    the checkpoint differs from `abstract`'s."""
+    want = {
+        jax.tree_util.keystr(path): (list(x.shape), np.dtype(x.dtype).name)
+        for path, x in jax.tree_util.tree_leaves_with_path(abstract)
+    }
+    for path in sorted(set(want) | set(stored)):
+        if path not in stored:
+            problem = "is expected but not in the checkpoint"
+        elif path not in want:
+            problem = "is in the checkpoint but not expected"
+        elif (stored[path]["shape"], stored[path]["dtype"]) != want[path]:
+            got, exp = stored[path], want[path]
+            problem = (
+                f"is {got['dtype']}{got['shape']} in the checkpoint but the run expects "
+                f"{exp[1]}{exp[0]}"
+            )
+        else:
+            continue
+        raise CheckpointMismatchError(
+            f"checkpoint step {step} does not match this run's config: array {path} {problem} "
+            "(a different model or optimizer? use another run_dir, or train.resume=false)"
+        )
+
+
+def _meta_sha256(meta: dict) -> str:
+    return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
+def _written_with_digests(step_dir: Path) -> bool:
+    """Whether Orbax's record of the step lists a `digests` item (then a step without them lost
+    them); an unreadable record counts as such."""
+    try:
+        record = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+        return "digests" in record["item_handlers"]
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def _one_line(e: BaseException) -> str:
+    """The first line of an error (TensorStore's messages run to dozens), with the file named
+    when the message holds a path."""
+    text = str(e).strip()
+    first = text.splitlines()[0] if text else type(e).__name__
+    paths = re.findall(r"(?:file://)?(/[^\s\"']+)", text)
+    where = f" (file {paths[0]})" if paths and paths[0] not in first else ""
+    return f"{type(e).__name__}: {first[:300]}{where}"
 
 
 def _abstract(x: Any) -> Any:

@@ -16,6 +16,7 @@ import sys
 
 import yaml
 
+from sparserl_jax.checkpoint import CheckpointMismatchError
 from sparserl_jax.config import ConfigError, load_config, to_dict
 from sparserl_jax.generate import run_generate
 from sparserl_jax.train import check_config, train
@@ -59,6 +60,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             summary = run_generate(cfg)
             summary["config"] = to_dict(cfg)
+    except CheckpointMismatchError as e:  # the config does not match the run directory
+        if args.debug:
+            raise
+        print(_error(e), file=sys.stderr)
+        return 2
     except Exception as e:
         if args.debug:
             raise

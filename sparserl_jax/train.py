@@ -322,11 +322,12 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     with PreemptionGuard(STOP_SIGNALS) as guard:
         check_config(cfg)
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
         try:
             run = _start(cfg, log_fn, guard)
         except Preempted:
             return _stopped(summary, guard, None, log_fn)
+        # Written once the checkpoint (if any) matched this config: a mismatch changes nothing.
+        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
         summary["start_step"] = run.start_step
         try:
             step, rewards_seen, stopped = _loop(run, guard, summary, log_fn, on_step)

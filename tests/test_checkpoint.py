@@ -7,7 +7,6 @@ import signal
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
@@ -51,7 +50,7 @@ def test_keep_n_and_latest(tmp_path):
     assert_trees_equal(restored, _state(3))
 
 
-def test_corrupt_latest_falls_back_with_warning(tmp_path):
+def test_corrupt_latest_falls_back_with_warning(tmp_path, caplog):
     with CheckpointManager(tmp_path, keep=3) as ckpt:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2))
@@ -66,22 +65,33 @@ def test_corrupt_latest_falls_back_with_warning(tmp_path):
                 f.truncate(os.path.getsize(path) // 3)
             damaged += 1
     assert damaged
-    warning = pytest.warns(UserWarning, match="step 2 .* could not be restored")
-    with CheckpointManager(tmp_path, keep=3) as ckpt, warning:
+    with CheckpointManager(tmp_path, keep=3) as ckpt:
         restored, meta = ckpt.restore_latest(_state(0))
+        assert ckpt.steps() == [1]
     assert meta["step"] == 1
     assert_trees_equal(restored, _state(1))
+    _assert_reported_and_moved(caplog, tmp_path, 2)
 
 
-def test_missing_checkpoint_dir_item(tmp_path):
+def _assert_reported_and_moved(caplog, run_dir, step):
+    """One log line names the step and says where it went; the step is kept, moved aside."""
+    lines = [r.getMessage() for r in caplog.records if f"checkpoint step {step}" in r.getMessage()]
+    assert len(lines) == 1 and "\n" not in lines[0] and "moved to" in lines[0], lines
+    moved = list((run_dir / "checkpoints.corrupt").glob(f"{step}-*"))
+    assert len(moved) == 1 and (moved[0] / "state").exists() or (moved[0] / "meta").exists()
+    assert not (run_dir / "checkpoints" / str(step)).exists()
+
+
+def test_missing_checkpoint_dir_item(tmp_path, caplog):
     with CheckpointManager(tmp_path) as ckpt:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2))
         ckpt.wait()
     shutil.rmtree(tmp_path / "checkpoints" / "2" / "state")
-    with CheckpointManager(tmp_path) as ckpt, pytest.warns(UserWarning, match="step 2"):
+    with CheckpointManager(tmp_path) as ckpt:
         _, meta = ckpt.restore_latest(_state(0))
     assert meta["step"] == 1
+    _assert_reported_and_moved(caplog, tmp_path, 2)
 
 
 def test_empty_run_has_nothing_to_restore(tmp_path):

@@ -216,6 +216,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
                     "staleness": staleness,
                     "verified": True,
                     "epoch": epoch,
+                    "rollout_epoch": rollout.epoch,
                 },
             )
             t_total = time.perf_counter() - t_step

@@ -54,7 +54,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    args = parser.parse_args(argv)
+    # Overrides may follow an option (`launch CONFIG --samplers 2 k=v`): argparse leaves those.
+    args, extra = parser.parse_known_args(argv)
+    if any(a.startswith("-") or "=" not in a for a in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command in ("train", "trainer", "launch"):

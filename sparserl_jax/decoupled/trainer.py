@@ -38,6 +38,7 @@ from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
 from sparserl_jax.config import Config, to_dict
 from sparserl_jax.data import make_reward_fn, prompt_iterator
+from sparserl_jax.decoupled.evaluate import Evaluator
 from sparserl_jax.decoupled.exchange import Exchange, Rollout
 from sparserl_jax.decoupled.ledger import Ledger
 from sparserl_jax.decoupled.queue import WorkQueue
@@ -47,7 +48,7 @@ from sparserl_jax.rl import Learner
 from sparserl_jax.sft import sft_warm_start
 from sparserl_jax.step import learn_step
 from sparserl_jax.sync import Publisher, new_run_id
-from sparserl_jax.train import check_config
+from sparserl_jax.train import _summarise, check_config
 
 __all__ = ["exchange_url", "run_trainer"]
 
@@ -128,7 +129,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     qstate = meta.get("async")
     ledger = Ledger(run_dir)
     ledger.truncate(qstate["ledger"] if qstate else {})
-    truncate_metrics(run_dir, start_step)
+    kept = truncate_metrics(run_dir, start_step)
     epoch = ex.begin_epoch({"start_version": version, "step": start_step, "pid": os.getpid()})
     publisher = Publisher(
         ex.sync_transport(epoch),
@@ -156,10 +157,29 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     )
     reward_fn = make_reward_fn(cfg.data)
     writer = MetricsWriter(run_dir, tensorboard=tcfg.tensorboard)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step}
+    evaluator = None
+    if tcfg.eval_examples:
+        evaluator = Evaluator(cfg, learner, model, state.params, mesh, tokenizer, reward_fn)
+
+    def evaluate(step: int, when: str | None) -> dict[str, Any]:
+        val = evaluator(publisher.transport) if evaluator is not None else {}
+        if val and when is not None:
+            summary[f"val_reward_{when}"] = val["val/reward_mean"]
+            summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
+            log_fn(
+                f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
+                f"{val['val/greedy_reward_mean']:.3f} (greedy)"
+            )
+        return val
+
     pulse = _Pulse(ex, epoch, xcfg.lease_s)
     pulse.step, pulse.version = start_step, publisher.version
     pulse.start()
     log_fn(f"trainer: epoch {epoch}, step {start_step}, version {version}, exchange {ex.url}")
+    val = evaluate(start_step, "before")
+    if val and not any(r.get("step") == start_step for r in kept):
+        writer.write(start_step, val)
 
     def save(step: int) -> None:
         keep = range(publisher.version - acfg.max_staleness, publisher.version + 1)
@@ -246,6 +266,8 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
                     "perf/steps_per_s": 1.0 / max(t_total, 1e-9),
                 }
             )
+            if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
+                row.update(evaluate(step, None))
             writer.write(step, row)
             if step % tcfg.save_every == 0 or step == tcfg.steps or guard.requested:
                 save(step)
@@ -253,22 +275,21 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
         save(step)
     (run_dir / "pending.json").write_text(json.dumps(queue.pending_batches()))
     done = not guard.requested
+    if done:
+        val = evaluate(step, "after")
+        if val:
+            writer.write(step, val)
     pulse.finish(done)
     writer.close()
     ckpt.close()
-    summary: dict[str, Any] = {
-        "run_dir": str(run_dir),
-        "start_step": start_step,
+    summary |= {
         "end_step": step,
         "epoch": epoch,
         "sync_version": publisher.version,
         "dropped": dict(queue.counts),
         "metrics": str(writer.path),
     }
-    if rewards_seen:
-        k = max(1, len(rewards_seen) // 5)
-        summary["train_reward_first"] = float(np.mean(rewards_seen[:k]))
-        summary["train_reward_last"] = float(np.mean(rewards_seen[-k:]))
+    _summarise(summary, rewards_seen, cfg.rollout.temperature, start_step, step, log_fn)
     if staleness_seen:
         summary["staleness_mean"] = float(np.mean(staleness_seen))
     if not done:

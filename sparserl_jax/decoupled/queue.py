@@ -141,6 +141,8 @@ class WorkQueue:
         corrupt or that `usable(rollout) -> (ok, reason, staleness)` refuses are dropped here
         (their prompts re-issued); so are items whose claim stopped being renewed."""
         ready = self.ex.ready_rollouts()
+        # Expiry first: a lapsed claim must not wait for a moment when nothing else is ready.
+        self._expire(step, ready)
         for i in list(self.outstanding):
             item = self.items[i]
             if i not in ready:
@@ -164,7 +166,6 @@ class WorkQueue:
                 weight_version=rollout.weight_version,
                 staleness=staleness,
             )
-        self._expire(step, ready)
         return None
 
     def _expire(self, step: int, ready: set[int]) -> None:

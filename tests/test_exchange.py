@@ -3,12 +3,15 @@ rollout blobs (round trip, checksum), work items, trainer incarnations, the exac
 
 import json
 import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import tensorstore as ts
 
-from sparserl_jax.data import Example
+from sparserl_jax.config import load_config
+from sparserl_jax.data import Example, prompt_iterator
 from sparserl_jax.decoupled.exchange import (
     CorruptRolloutError,
     Exchange,
@@ -18,7 +21,13 @@ from sparserl_jax.decoupled.exchange import (
     encode_rollout,
 )
 from sparserl_jax.decoupled.ledger import Ledger, check_exactly_once
+from sparserl_jax.decoupled.queue import WorkQueue
+from sparserl_jax.decoupled.trainer import _Usable
+from sparserl_jax.models.tokenizer import CharTokenizer
 from sparserl_jax.rollout import RolloutResult
+from sparserl_jax.sampler import step_seeds
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
 
 
 def _urls(tmp_path):
@@ -180,3 +189,117 @@ def test_ledger_truncate_and_exactly_once(tmp_path):
     _rows(Ledger(tmp_path), "consumed", [{"item": 3, "batch": 3, "step": 4}])
     with pytest.raises(ValueError, match="both consumed and dropped"):
         check_exactly_once(tmp_path)
+
+
+# -- the trainer's work queue and its verdicts, with fake rollouts -----------------------------
+
+
+def _queue(ex, run_dir, *, state=None, staleness=1, lease_s=60.0):
+    data = load_config(TINY).data
+    return WorkQueue(
+        ex,
+        Ledger(run_dir),
+        prompt_iterator(data, state=None if state is None else state["data"]),
+        CharTokenizer(),
+        epoch=max(ex.epochs(), default=1),
+        seed=0,
+        max_prompt_len=8,
+        max_staleness=staleness,
+        lease_s=lease_s,
+        state=None if state is None else state["queue"],
+        log_fn=lambda m: None,
+    )
+
+
+def _fake(ex, item, version, digest="d0", epoch=1):
+    r = Rollout(item, "s", epoch, version, digest, _result())
+    ex.put_rollout(r)
+
+
+def test_queue_issues_judges_drops_and_reissues(tmp_path):
+    """S+1 items outstanding with the right min_version and seeds; a stale rollout, one whose
+    weights digest is not the published one and a corrupt one are dropped and their batches
+    re-issued under new ids; a usable one is taken oldest first."""
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=1)
+    usable = _Usable(ex, 1, 1)
+    usable.version, usable.digests = 3, {1: "d1", 2: "d2", 3: "d3"}
+    q.fill(3)
+    assert q.outstanding == [0, 1]
+    items = [ex.item(i) for i in q.outstanding]
+    assert [(it.batch, it.min_version) for it in items] == [(0, 2), (1, 3)]
+    assert items[0].seeds == step_seeds(0, 1, 2) and items[1].seeds == step_seeds(0, 2, 2)
+    assert q.next_rollout(4, 3, usable) is None  # nothing READY
+    _fake(ex, 0, 1, "d1")  # 2 versions behind at max_staleness 1
+    _fake(ex, 1, 3, "forged")
+    assert q.next_rollout(4, 3, usable) is None
+    rows = Ledger(tmp_path).rows("dropped")
+    assert [(r["item"], r["reason"], r["staleness"]) for r in rows] == [
+        (0, "stale", 2),
+        (1, "unverified", 0),
+    ]
+    assert ex.closed_ids() == {0, 1} and list(q.reissue) == [0, 1]
+    q.fill(3)
+    again = [ex.item(i) for i in q.outstanding]
+    assert [(it.id, it.batch, it.reissue_of) for it in again] == [(2, 0, 0), (3, 1, 1)]
+    assert again[0].prompts == items[0].prompts and again[0].seeds != items[0].seeds
+    ex.write("rollouts/000000000002.npz", b"junk")
+    ex.write("READY/rollouts/000000000002", b'{"sha256": "0", "nbytes": 4}')
+    _fake(ex, 3, 2, "d2")
+    item, rollout = q.next_rollout(4, 3, usable)
+    assert (item.id, rollout.weight_version) == (3, 2)
+    assert Ledger(tmp_path).rows("dropped")[-1]["reason"] == "corrupt"
+    q.consumed(item, {"step": 4})
+    assert Ledger(tmp_path).rows("consumed") == [{"item": 3, "batch": 1, "step": 4}]
+    assert q.pending_batches() == [0]  # batch 0's item 2 was dropped (corrupt): re-issue waits
+    assert dict(q.counts) == {"stale": 1, "unverified": 1, "corrupt": 1}
+
+
+def test_queue_expires_a_claim_that_stops_changing(tmp_path):
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=0, lease_s=0.3)
+    q.fill(0)
+    claim = ex.claim(0, "s9")
+    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    time.sleep(0.2)
+    claim = ex.renew(claim)  # alive: the trainer sees a new generation
+    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    time.sleep(0.2)
+    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None and q.outstanding == [0]
+    time.sleep(0.35)  # no renewal for longer than the lease
+    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    assert Ledger(tmp_path).rows("dropped") == [
+        {"item": 0, "step": 1, "batch": 0, "reason": "expired", "sampler": "s9"}
+    ]
+    assert list(q.reissue) == [0] and q.counts["expired"] == 1
+
+
+def test_queue_resume_abandons_later_items_and_reopens_outstanding(tmp_path):
+    """A checkpoint taken with items 0, 1 outstanding; the dead trainer then issued 2, 3 and
+    closed 0. The resumed queue reopens 0, keeps 0 and 1, abandons 2 and 3 (their batches come
+    again from the data state) and never reuses their ids."""
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=1)
+    q.fill(0)
+    state = {"queue": q.state(), "data": q.data_it.get_state()}
+    ex.close_item(0, "consumed")
+    q.outstanding.remove(0)
+    q.fill(1)
+    q.outstanding.remove(1)
+    q.fill(2)
+    assert ex.item_ids() == [0, 1, 2, 3]
+    ex.begin_epoch({"start_version": 0})
+    Ledger(tmp_path).truncate(state["queue"]["ledger"])
+    r = _queue(ex, tmp_path, state=state, staleness=1)
+    assert r.outstanding == [0, 1] and ex.closed_ids() == {2, 3}
+    assert [(d["item"], d["reason"]) for d in Ledger(tmp_path).rows("dropped")] == [
+        (2, "abandoned"),
+        (3, "abandoned"),
+    ]
+    r.outstanding.remove(1)
+    r.fill(1)
+    new = ex.item(r.outstanding[-1])
+    assert new.id == 4 and new.batch == ex.item(2).batch == 2

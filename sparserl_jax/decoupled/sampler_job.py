@@ -42,11 +42,12 @@ _EXCHANGE_ERRORS = (ValueError, OSError, TimeoutError, RuntimeError)
 
 
 class _Renewer(threading.Thread):
-    """Renews a claim every `period` seconds until stopped; `claim` is None once lost."""
+    """Renews a claim (and the sampler's pulse) every `period` seconds until stopped; `claim`
+    is None once lost."""
 
-    def __init__(self, ex: Exchange, claim: Claim, period: float):
+    def __init__(self, ex: Exchange, claim: Claim, period: float, pulse: dict):
         super().__init__(daemon=True)
-        self.ex, self.claim, self.period = ex, claim, period
+        self.ex, self.claim, self.period, self.pulse = ex, claim, period, pulse
         self._stop_event = threading.Event()
 
     def run(self) -> None:
@@ -54,6 +55,9 @@ class _Renewer(threading.Thread):
             # On an error the next renewal tries again; the trainer expires it if none gets in.
             with contextlib.suppress(*_EXCHANGE_ERRORS):
                 self.claim = self.ex.renew(self.claim)
+                if self.claim is not None:
+                    pulse = {**self.pulse, "item": self.claim.item, "time": time.time()}
+                    self.ex.put_pulse(f"samplers/{self.claim.sampler}", pulse)
 
     def stop(self) -> Claim | None:
         self._stop_event.set()
@@ -165,9 +169,9 @@ def run_sampler(
                 log_fn(f"sampler {sampler_id}: {e.kind} {e.version} {state}")
                 if e.error is None:
                     versions.append((epoch, e.version))
+            pulse = {"version": sampler.version, "epoch": epoch, "pid": os.getpid()}
             if now - last_pulse >= 1.0:
                 last_pulse = now
-                pulse = {"version": sampler.version, "epoch": epoch, "pid": os.getpid()}
                 ex.put_pulse(f"samplers/{sampler_id}", {**pulse, "time": time.time()})
             got = _open_item(ex, sampler.version, sampler_id)
         except SyncError as e:  # e.g. the anchor not written yet: look again
@@ -185,7 +189,7 @@ def run_sampler(
             time.sleep(xcfg.poll_s)
             continue
         claim, item = got
-        renewer = _Renewer(ex, claim, xcfg.lease_s / 4)
+        renewer = _Renewer(ex, claim, xcfg.lease_s / 4, pulse)
         renewer.start()
         try:
             result = sampler.rollout(item.prompts, item.seeds)

@@ -14,6 +14,7 @@ its `metrics.jsonl`, after `warmup` steps (compiles):
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -30,15 +31,38 @@ ROOT = Path(__file__).resolve().parents[1]
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per job
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    # Every variant runs the same programs: compile them once (JAX's persistent cache).
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(ROOT / ".jax_cache"))
+    env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     return env
 
 
+def warm_start(config: str, overrides: list[str], out: Path) -> Path:
+    """Run the config's SFT warm start once (`sparserl train ... train.steps=0`); its step-0
+    checkpoint, copied into each variant's run directory, starts every variant from it."""
+    cmd = [sys.executable, "-m", "sparserl_jax", "train", config, f"run_dir={out}"]
+    proc = subprocess.run(
+        [*cmd, *overrides, "train.steps=0"], cwd=ROOT, env=_env(), capture_output=True, text=True
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"warm start failed:\n{proc.stderr[-3000:]}")
+    return out / "checkpoints"
+
+
 def run_variant(
-    config: str, overrides: list[str], *, samplers: int, staleness: int, warmup: int
+    config: str,
+    overrides: list[str],
+    *,
+    samplers: int,
+    staleness: int,
+    warmup: int,
+    checkpoints: Path | None = None,
 ) -> dict:
-    """One run (`samplers=0`: `sparserl train`); returns its figures."""
+    """One run (`samplers=0`: `sparserl train`), from `checkpoints` if given; its figures."""
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "run"
+        if checkpoints is not None:
+            shutil.copytree(checkpoints, run / "checkpoints")
         base = [sys.executable, "-m", "sparserl_jax"]
         args = [config, f"run_dir={run}", *overrides]
         if samplers:

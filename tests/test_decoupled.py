@@ -50,14 +50,16 @@ def _final_params(run_dir, step):
     return jax.device_get(state["learner"].params), meta
 
 
-def test_sampler_without_trainer_gives_up_with_a_log_line(tmp_path):
+@pytest.mark.parametrize(
+    "url,why",
+    [("memory://", "no trainer heartbeat yet"), ("nosuchdriver://x/", "cannot reach the exchange")],
+)
+def test_sampler_without_trainer_or_exchange_gives_up_with_a_log_line(tmp_path, url, why):
     cfg = load_config(TINY, [f"run_dir={tmp_path}", "exchange.give_up_s=1", *FAST])
     lines = []
-    out = run_sampler(
-        cfg, "lonely", url="memory://", exchange=Exchange("memory://"), log_fn=lines.append
-    )
+    out = run_sampler(cfg, "lonely", url=url, log_fn=lines.append)
     assert out["exit_code"] == GAVE_UP and out["items"] == []
-    assert lines and all("waiting" in line and "no trainer heartbeat" in line for line in lines)
+    assert lines and all("waiting" in line and why in line for line in lines), lines
 
 
 @pytest.mark.slow
@@ -181,6 +183,10 @@ def test_launch_two_samplers_one_killed_completes(tmp_path):
     metrics = [m for m in read_metrics(run / "metrics.jsonl") if "critic/score/mean" in m]
     assert [m["step"] for m in metrics] == list(range(1, 7))
     assert metrics[-1]["async/expired_claims"] >= 1 and "async/trainer_wait_s" in metrics[-1]
+    for m in metrics:  # the correction's metrics split by staleness
+        split = "correction_stale/" if m["async/staleness"] else "correction_fresh/"
+        key = "masked_token_fraction"
+        assert m[split + key] == m["correction/" + key]
 
 
 @pytest.mark.slow

@@ -266,6 +266,9 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
                     "perf/steps_per_s": 1.0 / max(t_total, 1e-9),
                 }
             )
+            # The correction's metrics again under the staleness they were measured at.
+            split = "correction_fresh/" if staleness == 0 else "correction_stale/"
+            row.update({split + k[11:]: v for k, v in row.items() if k.startswith("correction/")})
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
                 row.update(evaluate(step, None))
             writer.write(step, row)

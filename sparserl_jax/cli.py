@@ -77,7 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "trainer":
             summary = run_trainer(cfg, log_fn=log)
         elif args.command == "sampler":
-            summary = run_sampler(cfg, args.id, url=exchange_url(cfg), log_fn=log)
+            try:
+                summary = run_sampler(cfg, args.id, url=exchange_url(cfg), log_fn=log)
+            except KeyboardInterrupt:  # a sampler holds nothing to save: just stop
+                log(f"sampler {args.id}: interrupted")
+                return 130
             print(json.dumps(summary))
             return summary["exit_code"]
         elif args.command == "launch":

@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -195,7 +196,8 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
         saved.append(step)
 
     step, staleness_seen, rewards_seen, saved = start_step, [], [], [start_step]
-    with PreemptionGuard() as guard:
+    # SIGTERM and SIGINT (`launch` forwards Ctrl-C): finish the step, checkpoint, stop.
+    with PreemptionGuard((signal.SIGTERM, signal.SIGINT)) as guard:
         while step < tcfg.steps and not guard.requested:
             t_step = time.perf_counter()
             got, t_wait = None, 0.0

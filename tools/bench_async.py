@@ -32,6 +32,8 @@ def main() -> None:
         f"train.steps={a.steps}",
         f"train.save_every={a.steps}",
         "train.eval_examples=0",
+        "train.plot=false",  # (`sparserl train` cannot plot held-out curves it did not measure)
+        "train.progress=false",
         "exchange.poll_s=0.02",
         *a.overrides,
     ]

@@ -149,9 +149,12 @@ def test_launch_two_samplers_one_killed_completes(tmp_path):
         "--samplers",
         "2",
         f"run_dir={run}",
-        "train.steps=6",
-        "async.max_staleness=1",
-        "exchange.lease_s=8",
+        # Staleness 0: one item outstanding at a time, so the run cannot finish without the
+        # killed sampler's item, and its claim must expire (at staleness > 0 the others could
+        # finish the run before the lease runs out, leaving it pending).
+        "train.steps=8",
+        "async.max_staleness=0",
+        "exchange.lease_s=4",
         *FAST,
         "train.eval_examples=2",  # held-out reward before and after, as `sparserl train` prints
     ]
@@ -173,15 +176,16 @@ def test_launch_two_samplers_one_killed_completes(tmp_path):
     os.kill(pid, signal.SIGKILL)
     assert launcher.wait(timeout=900) == 0, (tmp_path / "launch.log").read_text()[-3000:]
     summary = json.loads((run / "logs" / "trainer.json").read_text())
-    assert summary["end_step"] == 6 and summary["dropped"].get("expired", 0) >= 1
+    assert summary["end_step"] == 8 and summary["dropped"].get("expired", 0) >= 1
     assert {"val_reward_before", "val_reward_after", "train_reward_last"} <= set(summary)
-    assert check_exactly_once(run)["consumed"] == 6
+    assert check_exactly_once(run)["consumed"] == 8
+    assert json.loads((run / "pending.json").read_text()) == []  # batch 0 re-issued, consumed
     rows = _check_rows_verified(run, logs)
     assert {r["sampler"] for r in rows} <= {"0", "1"} and "0" in {r["sampler"] for r in rows}
     dropped = Ledger(run).rows("dropped")
     assert any(d["reason"] == "expired" and d["sampler"] == "1" for d in dropped)
     metrics = [m for m in read_metrics(run / "metrics.jsonl") if "critic/score/mean" in m]
-    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert [m["step"] for m in metrics] == list(range(1, 9))
     assert metrics[-1]["async/expired_claims"] >= 1 and "async/trainer_wait_s" in metrics[-1]
     for m in metrics:  # the correction's metrics split by staleness
         split = "correction_stale/" if m["async/staleness"] else "correction_fresh/"

@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast test-tpu-aot demo venv lint format clean
+.PHONY: test test-fast test-tpu-aot demo demo-async venv lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -43,6 +43,11 @@ test-tpu-aot: $(TPU_STAMP)
 demo: $(STAMP)
 	rm -rf runs/demo
 	$(PY) -m sparserl_jax train configs/demo.yaml
+
+# The demo through the decoupled jobs: a trainer and 2 samplers as local subprocesses.
+demo-async: $(STAMP)
+	rm -rf runs/demo-async
+	$(PY) -m sparserl_jax launch configs/demo.yaml --samplers 2 run_dir=runs/demo-async
 
 # The tunix side-by-side (`tools/bench_rollout.py --peer tunix`): google-tunix pins older
 # transformers/tokenizers than the test extra wants, so it gets its own venv, .venv-bench.

@@ -5,6 +5,8 @@
 - `sync`: PULSESync patch sizes and speed over real AdamW steps (`tools/bench_sync.py`).
 - `rollout`: rollout speed and KV memory, dense vs sparse vs tunix (`tools/bench_rollout.py`).
 - `learner`: learner-step throughput on a synthetic GRPO batch (`tools/bench_learner.py`).
+- `async_runs`: synchronous vs decoupled training runs, steps/s and trainer idle time
+  (`tools/bench_async.py`).
 - `kv_memory`: peak KV bytes of a dense and a compressed greedy generation.
 - `bigram`: the synthetic data they train on, walks of a fixed random sparse bigram chain.
 

@@ -2,6 +2,9 @@
 
 sparserl train CONFIG.yaml [dotted.key=value ...]      RL post-training (see sparserl_jax.train)
 sparserl generate CONFIG.yaml [dotted.key=value ...]   generate with a model (sparserl_jax.generate)
+sparserl trainer CONFIG.yaml [k=v ...]                 the decoupled trainer job (docs/decoupled.md)
+sparserl sampler CONFIG.yaml --id I [k=v ...]          a decoupled sampler job
+sparserl launch CONFIG.yaml --samplers N [k=v ...]     the trainer and N samplers, locally
 
 Errors print as one line, `sparserl: error: <message>`: exit status 2 for a bad config or usage
 (found before any training starts), 1 for a failure while running. `--debug` re-raises them
@@ -18,6 +21,9 @@ import yaml
 
 from sparserl_jax.checkpoint import CheckpointMismatchError
 from sparserl_jax.config import ConfigError, load_config, to_dict
+from sparserl_jax.decoupled.launch import launch
+from sparserl_jax.decoupled.sampler_job import run_sampler
+from sparserl_jax.decoupled.trainer import exchange_url, run_trainer
 from sparserl_jax.generate import run_generate
 from sparserl_jax.train import check_config, train
 
@@ -38,25 +44,49 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     tr = sub.add_parser("train", help="RL post-training: rollouts, rewards, learner, sync")
     gen = sub.add_parser("generate", help="generate text with a model from a config")
+    job = sub.add_parser("trainer", help="decoupled trainer job: learner, data, checkpoints")
+    smp = sub.add_parser("sampler", help="decoupled sampler job: pulls weights, returns rollouts")
+    smp.add_argument("--id", required=True, help="this sampler's id (any short name)")
+    lau = sub.add_parser("launch", help="the trainer and N samplers as local subprocesses")
+    lau.add_argument("--samplers", type=int, required=True, help="how many sampler jobs")
     debug_help = "re-raise errors with the traceback instead of a one-line message"
     parser.add_argument("--debug", action="store_true", help=debug_help)
-    for p in (tr, gen):
+    for p in (tr, gen, job, smp, lau):
         p.add_argument("config", help="YAML preset, e.g. configs/demo.yaml")
         p.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
         p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
-    args = parser.parse_args(argv)
+    # Overrides may follow an option (`launch CONFIG --samplers 2 k=v`): argparse leaves those.
+    args, extra = parser.parse_known_args(argv)
+    if any(a.startswith("-") or "=" not in a for a in extra):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.command == "train":
+        if args.command in ("train", "trainer", "launch"):
             check_config(cfg)
+        if args.command == "launch" and args.samplers < 1:
+            raise ValueError(f"--samplers must be >= 1, got {args.samplers}")
     except USAGE_ERRORS as e:
         if args.debug:
             raise
         print(_error(e), file=sys.stderr)
         return 2
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     try:
         if args.command == "train":
-            summary = train(cfg, log_fn=lambda msg: print(msg, file=sys.stderr))
+            summary = train(cfg, log_fn=log)
+        elif args.command == "trainer":
+            summary = run_trainer(cfg, log_fn=log)
+        elif args.command == "sampler":
+            try:
+                summary = run_sampler(cfg, args.id, url=exchange_url(cfg), log_fn=log)
+            except KeyboardInterrupt:  # a sampler holds nothing to save: just stop
+                log(f"sampler {args.id}: interrupted")
+                return 130
+            print(json.dumps(summary))
+            return summary["exit_code"]
+        elif args.command == "launch":
+            return launch(cfg, args.config, args.overrides, args.samplers, log_fn=log)
         else:
             summary = run_generate(cfg)
             summary["config"] = to_dict(cfg)

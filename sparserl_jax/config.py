@@ -25,6 +25,7 @@ from typing import Any, Literal
 import yaml
 
 from sparserl_jax.data.config import DataConfig
+from sparserl_jax.decoupled.config import AsyncConfig, ExchangeConfig
 from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.models.config import ModelConfig
 from sparserl_jax.models.hf import read_hf_config
@@ -229,6 +230,9 @@ class Config:
     sync: SyncConfig = dataclasses.field(default_factory=SyncConfig)
     sft: SFTConfig = SFTConfig()
     train: TrainConfig = TrainConfig()
+    exchange: ExchangeConfig = ExchangeConfig()
+    # `async` is a Python keyword: the YAML key is `async`, the attribute `async_`.
+    async_: AsyncConfig = dataclasses.field(default=AsyncConfig(), metadata={"key": "async"})
     run_dir: str = "runs/default"
 
 
@@ -329,7 +333,7 @@ def _hints(cls) -> dict[str, Any]:
 
 def from_dict(cls, data: Mapping[str, Any], *, prefix: str = ""):
     """Build dataclass `cls` from a nested mapping, checking names and types."""
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    fields = {_key(f): f for f in dataclasses.fields(cls) if f.init}
     hints = _hints(cls)
     kwargs = {}
     for key, value in data.items():
@@ -339,11 +343,11 @@ def from_dict(cls, data: Mapping[str, Any], *, prefix: str = ""):
             close = difflib.get_close_matches(str(key), valid, n=3, cutoff=0.5)
             hint = f"did you mean {', '.join(repr(c) for c in close)}? " if close else ""
             raise ConfigError(f"unknown key {where!r}; {hint}valid keys here: {valid}")
-        kwargs[key] = _convert(value, hints[key], where)
+        kwargs[fields[key].name] = _convert(value, hints[fields[key].name], where)
     missing = [
         name
         for name, f in fields.items()
-        if name not in kwargs
+        if f.name not in kwargs
         and f.default is dataclasses.MISSING
         and f.default_factory is dataclasses.MISSING
     ]
@@ -358,10 +362,15 @@ def from_dict(cls, data: Mapping[str, Any], *, prefix: str = ""):
         raise ConfigError(f"{prefix or cls.__name__}: {e}") from e
 
 
+def _key(f: dataclasses.Field) -> str:
+    """A field's key in YAML: its name, or `metadata["key"]` where the name is a keyword."""
+    return f.metadata.get("key", f.name)
+
+
 def to_dict(obj: Any) -> Any:
     """A dataclass tree as plain dicts/lists (YAML-safe)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {_key(f): to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):
         return [to_dict(v) for v in obj]
     if isinstance(obj, enum.Enum):

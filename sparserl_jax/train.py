@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
@@ -39,7 +38,6 @@ from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import STOP_SIGNALS, CheckpointManager, Preempted, PreemptionGuard
 from sparserl_jax.config import Config, to_dict
 from sparserl_jax.data import (
-    compute_rewards,
     encode_prompts,
     eval_examples,
     make_reward_fn,
@@ -53,17 +51,16 @@ from sparserl_jax.metrics import (
     summarise_rewards,
     truncate_metrics,
 )
-from sparserl_jax.rl import Learner, LearnerState, RLBatch, batch_shards, compute_advantages
-from sparserl_jax.rollout import RolloutConfig, RolloutResult
+from sparserl_jax.rl import Learner, LearnerState, batch_shards
+from sparserl_jax.rollout import RolloutConfig
 from sparserl_jax.sampler import (
     Sampler,
-    completion_texts,
     make_meshes,
-    published_params,
     sampler_shardings,
     step_seeds,
 )
 from sparserl_jax.sft import sft_warm_start
+from sparserl_jax.step import learn_step, rl_batch
 from sparserl_jax.sync import InProcessTransport, Publisher, new_run_id
 
 __all__ = ["check_config", "rl_batch", "train"]
@@ -76,22 +73,6 @@ PLOTTED = (
     "correction/masked_token_fraction",
     "dgg/z",
 )
-
-
-def rl_batch(result: RolloutResult, advantages_b: np.ndarray, seq_len: int) -> RLBatch:
-    """The learner's batch: `result.sequences()` right-padded to the static width `seq_len`
-    (so the learner compiles once), with the advantages of every row."""
-    tokens, mask, logp = result.sequences()
-    width = tokens.shape[1]
-    if width > seq_len:
-        raise ValueError(f"rollout rows are {width} tokens wide, more than seq_len {seq_len}")
-    pad = ((0, 0), (0, seq_len - width))
-    return RLBatch(
-        tokens_bt=np.pad(tokens, pad),
-        mask_bt=np.pad(mask, pad),
-        advantages_b=np.asarray(advantages_b, np.float32),
-        sampler_logp_bt=np.pad(logp, pad),
-    )
 
 
 def check_config(cfg: Config) -> None:
@@ -159,61 +140,48 @@ class _Run:
         during the rollout, rewards or pi_old drops the step (`Preempted`: nothing of the run's
         state has changed but the data iterator's position); from the update on it completes."""
         t_step = time.perf_counter()
-        cfg, group = self.cfg, self.rollout.n_samples
         examples = next(self.data_it).examples
         prompts = encode_prompts(examples, self.tokenizer, max_len=self.rollout.max_prompt_len)
         with guard.abortable(f"rollout:{step}", f"the rollout of step {step}"):
             t0 = time.perf_counter()
-            result = self.sampler.rollout(prompts, step_seeds(cfg.train.seed, step, len(prompts)))
+            seeds = step_seeds(self.cfg.train.seed, step, len(prompts))
+            result = self.sampler.rollout(prompts, seeds)
             t_gen = time.perf_counter() - t0
-
-            texts = completion_texts(result, self.tokenizer)
-            rewards = compute_rewards(self.reward_fn, examples, texts, group_size=group, step=step)
-            adv = np.asarray(
-                compute_advantages(
-                    jnp.asarray(rewards), group_size=group, estimator=cfg.train.advantage_estimator
-                )
-            )
-            batch = rl_batch(result, adv, self.rollout.max_prompt_len + self.rollout.max_new_tokens)
-
-            t0 = time.perf_counter()
-            bypass = cfg.learner.correction.bypass
-            if not bypass:  # with bypass the learner takes pi_old := mu (no recompute)
-                old_params = published_params(
-                    self.publisher.sent_bits, self.state.params, cfg.sync.jnp_publish_dtype
-                )
-                old_logp = self.learner.logprobs(old_params, batch.tokens_bt)
-                batch = batch._replace(old_logp_bt=old_logp)
-            t_old = time.perf_counter() - t0
-        guard.mark(f"update:{step}", f"the update of step {step}")
-
-        t0 = time.perf_counter()
-        self.state, history = self.learner.train_on_batch(self.state, batch)
-        t_upd = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        published = self.publisher.publish(self.state.params)
-        events = self.sampler.sync(self.transport)
-        t_sync = time.perf_counter() - t0
-        row = step_metrics(
-            rewards=rewards,
-            advantages=adv,
-            rollout=result,
-            max_new_tokens=self.rollout.max_new_tokens,
-            history=history,
-            published=published,
-            sync_events=events,
-            timings={
-                "gen": t_gen,
-                "old_log_prob": t_old,
-                "update_actor": t_upd,
-                "sync": t_sync,
-                "step": time.perf_counter() - t_step,
-            },
+        out = learn_step(
+            self.cfg,
+            self.learner,
+            self.state,
+            self.publisher,
+            self.reward_fn,
+            self.tokenizer,
+            examples=examples,
+            result=result,
+            step=step,
+            preparing=guard.abortable(f"rewards:{step}", f"the rewards and pi_old of step {step}"),
+            on_update=lambda: guard.mark(f"update:{step}", f"the update of step {step}"),
         )
-        # 1: pi_old was the sampler's logprobs and `timing_s/old_log_prob` is ~0 (skipped).
-        row["actor/old_log_prob_bypassed"] = int(bypass)
-        return row
+        self.state = out.state
+        t0 = time.perf_counter()
+        events = self.sampler.sync(self.transport)
+        t_sync = out.timings.pop("publish") + time.perf_counter() - t0
+        return (
+            step_metrics(
+                rewards=out.rewards,
+                advantages=out.advantages,
+                rollout=result,
+                max_new_tokens=self.rollout.max_new_tokens,
+                history=out.history,
+                published=out.published,
+                sync_events=events,
+                timings={
+                    "gen": t_gen,
+                    **out.timings,
+                    "sync": t_sync,
+                    "step": time.perf_counter() - t_step,
+                },
+            )
+            | out.extra
+        )
 
     def save(self, step: int, guard: PreemptionGuard, pending_row: dict | None = None) -> None:
         """Checkpoint `step` (asynchronously). `pending_row`: the step's metrics row when its

@@ -121,14 +121,20 @@ def test_project_imports_are_top_level():
 @pytest.mark.parametrize(
     "module,forbidden",
     [
-        ("sparserl_jax.config", {"build", "train", "generate", "cli", "sampler"}),
-        ("sparserl_jax.build", {"train", "generate", "cli", "sampler"}),
-        ("sparserl_jax.train", {"cli", "generate"}),
+        ("sparserl_jax.config", {"build", "train", "generate", "cli", "sampler", "step"}),
+        ("sparserl_jax.build", {"train", "generate", "cli", "sampler", "step"}),
+        ("sparserl_jax.step", {"train", "cli", "generate"}),
+        ("sparserl_jax.train", {"cli", "generate", "decoupled.trainer", "decoupled.launch"}),
         ("sparserl_jax.generate", {"cli", "train"}),
+        # The decoupled jobs sit beside `train` (they reuse its learn half): below the cli only.
+        ("sparserl_jax.decoupled.trainer", {"cli", "generate"}),
+        ("sparserl_jax.decoupled.sampler_job", {"cli", "train", "step", "decoupled.trainer"}),
+        ("sparserl_jax.decoupled.exchange", {"cli", "train", "step", "decoupled.trainer"}),
     ],
 )
 def test_layers(module, forbidden):
-    """config -> build -> {train, generate} -> cli: nothing reaches up a layer."""
+    """config -> build -> {step -> train, generate, decoupled jobs} -> cli: nothing reaches up
+    a layer (a sampler job never needs the learner's step)."""
 
     def reach(start):
         seen, todo = set(), [start]

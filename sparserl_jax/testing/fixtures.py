@@ -36,3 +36,12 @@ def assert_trees_equal(a, b, *, what: str = "tree") -> None:
         yb = y.reshape(-1).view(np.uint8) if y.size else y
         if not np.array_equal(xb, yb):
             raise AssertionError(f"{what}{name}: values differ")
+
+
+def length_reward(prompt: str, completion: str, answer: str) -> float:
+    """A reward that differs between completions (their length in characters / 32), for tests
+    whose rollouts must reach the weights: a random tiny model scores 0 on the task's own reward,
+    so every advantage, and with it every policy gradient, would be 0.
+    `data.reward_fn=sparserl_jax.testing.fixtures:length_reward`."""
+    del prompt, answer
+    return len(completion) / 32.0

@@ -1,0 +1,57 @@
+"""The `exchange:` and `async:` config sections of the decoupled jobs (validated here; the
+top-level `sparserl_jax.config` names the section in its errors)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExchangeConfig:
+    """Where the decoupled jobs (`sparserl trainer` / `sampler` / `launch`) meet: a TensorStore
+    kvstore holding PULSESync patches and anchors, work items, claims and rollout blobs
+    (docs/decoupled.md).
+
+    Attributes:
+      url: the kvstore (`file:///dir/`, `memory://`, `gs://bucket/dir/`, `s3://...`); null is
+        `file://<run_dir>/exchange/`.
+      lease_s: a sampler's claim on a work item lapses when it has not renewed it (every
+        `lease_s / 4`) for this long, as seen by the trainer's clock; the item is then dropped
+        and its prompts re-issued.
+      give_up_s: a sampler that cannot reach the exchange, or sees no sign of life from the
+        trainer, for this long exits (status 3); it logs why every `log_every_s` meanwhile.
+      poll_s: how often a waiting job looks at the exchange again.
+      log_every_s: how often a waiting job says so.
+    """
+
+    url: str | None = None
+    lease_s: float = 60.0
+    give_up_s: float = 600.0
+    poll_s: float = 0.2
+    log_every_s: float = 30.0
+
+    def __post_init__(self):
+        for name in ("lease_s", "give_up_s", "poll_s", "log_every_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.url is not None and "://" not in self.url:
+            raise ValueError(
+                f"url {self.url!r} is not a kvstore URL (file:///dir/, memory://, gs://bucket/dir/)"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AsyncConfig:
+    """Asynchrony of the decoupled trainer (`async:` in YAML).
+
+    Attributes:
+      max_staleness: the trainer learns from a rollout sampled at most this many weight
+        versions behind its current one; older ones are dropped and their prompts re-issued.
+        0 is fully synchronous (the same batches, seeds and weights as `sparserl train`).
+    """
+
+    max_staleness: int = 2
+
+    def __post_init__(self):
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")

@@ -1,0 +1,324 @@
+"""The exchange: the one place the decoupled jobs share, a TensorStore kvstore.
+
+Keys (under the kvstore's root; ids are zero-padded so listings sort numerically):
+
+    trainer/epoch-<E>         one record per trainer start (incarnation E): its start version
+    trainer/heartbeat         the trainer's pulse: epoch, step, version, done
+    sync/e<E>/...             PULSESync patches and anchors of incarnation E (`KvStoreTransport`,
+                              READY markers)
+    items/<id>.json           a work item (written once by the trainer, never changed)
+    claims/<id>               a sampler's claim on an item (created by a conditional write, so
+                              exactly one sampler wins; renewed while it generates)
+    rollouts/<id>.npz         the rollout of an item, then READY/rollouts/<id> holding its sha256
+    closed/<id>               the trainer's verdict on an item (consumed or dropped): samplers
+                              skip it
+    samplers/<id>             a sampler's pulse (its version, its item)
+
+A single object is written atomically by every kvstore driver (file: temp file + rename; gs/s3:
+one PUT), so a reader sees an old or a new value, never a torn one; a rollout still carries its
+checksum in the READY marker written after it, so a reader never trusts a blob without it.
+docs/decoupled.md has the protocol and the failures it covers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import json
+from typing import Any
+
+import numpy as np
+import tensorstore as ts
+
+from sparserl_jax.data import Example
+from sparserl_jax.rollout import RolloutResult
+from sparserl_jax.sync import KvStoreTransport
+
+__all__ = [
+    "Claim",
+    "CorruptRolloutError",
+    "Exchange",
+    "Rollout",
+    "WorkItem",
+    "decode_rollout",
+    "encode_rollout",
+]
+
+# The generation TensorStore reports for a key that does not exist: a write conditioned on it
+# creates the key only if nobody else has.
+_ABSENT = b"\x02"
+
+
+def _id(i: int) -> str:
+    return f"{int(i):012d}"
+
+
+class CorruptRolloutError(ValueError):
+    """A rollout blob whose bytes do not match the checksum in its READY marker (or that does
+    not decode)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItem:
+    """One batch of prompts to roll out. `batch`: its position in the data iterator (a re-issued
+    item keeps it); `min_version`: the oldest weight version a sampler may use for it;
+    `reissue_of`: the dropped item whose prompts these are."""
+
+    id: int
+    batch: int
+    epoch: int
+    prompts: list[list[int]]
+    seeds: list[int]
+    examples: list[Example]
+    min_version: int
+    reissue_of: int | None = None
+
+    def to_json(self) -> bytes:
+        d = dataclasses.asdict(self)
+        return json.dumps(d).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> WorkItem:
+        d = json.loads(raw)
+        d["examples"] = [Example(**{**e, "numbers": tuple(e["numbers"])}) for e in d["examples"]]
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A sampler's hold on an item: `generation` is the kvstore generation it last wrote."""
+
+    item: int
+    sampler: str
+    renewals: int
+    generation: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """A rollout blob, decoded: the result and who made it with which weights."""
+
+    item: int
+    sampler: str
+    epoch: int
+    weight_version: int
+    state_digest: str
+    result: RolloutResult
+
+
+_ARRAYS = (
+    "completion_ids",
+    "sampler_logprobs",
+    "completion_mask",
+    "prompt_lens",
+    "completion_lens",
+    "tokens_evicted",
+    "weight_version",
+    "finished_by_stop",
+)
+
+
+def encode_rollout(r: Rollout) -> bytes:
+    """A rollout as one `.npz` (no pickle): its arrays, the prompts padded, a JSON header."""
+    res = r.result
+    lens = np.asarray(res.prompt_lens, np.int32)
+    prompts = np.zeros((len(res.prompt_ids), int(lens.max(initial=0))), np.int32)
+    for i, p in enumerate(res.prompt_ids):
+        prompts[i, : len(p)] = p
+    meta = {
+        "item": r.item,
+        "sampler": r.sampler,
+        "epoch": r.epoch,
+        "weight_version": r.weight_version,
+        "state_digest": r.state_digest,
+        "stats": {k: v for k, v in res.stats.items() if isinstance(v, (int, float, str, bool))},
+    }
+    buf = io.BytesIO()
+    np.savez(
+        buf,
+        meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+        prompt_ids=prompts,
+        **{k: np.asarray(getattr(res, k)) for k in _ARRAYS},
+    )
+    return buf.getvalue()
+
+
+def decode_rollout(blob: bytes) -> Rollout:
+    """The inverse of `encode_rollout`; a blob that does not decode is `CorruptRolloutError`."""
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes())
+            arrays = {k: z[k] for k in _ARRAYS}
+            prompts = z["prompt_ids"]
+    except (ValueError, KeyError, OSError, EOFError) as e:
+        raise CorruptRolloutError(f"rollout blob does not decode: {e}") from None
+    lens = arrays["prompt_lens"]
+    result = RolloutResult(
+        prompt_ids=[prompts[i, : int(n)].tolist() for i, n in enumerate(lens)],
+        stats=meta["stats"],
+        **arrays,
+    )
+    return Rollout(
+        meta["item"],
+        meta["sampler"],
+        meta["epoch"],
+        meta["weight_version"],
+        meta["state_digest"],
+        result,
+    )
+
+
+class Exchange:
+    """The kvstore the jobs share. `url`: `file:///dir/`, `memory://`, `gs://...` or a kvstore
+    spec dict; `context`: a `tensorstore.Context` (two `memory://` exchanges share data only
+    when opened with the same one). Every call is bounded by `timeout` seconds; kvstore
+    failures (unreachable, permission) raise and are the caller's to retry."""
+
+    def __init__(self, url: str | dict, *, context: ts.Context | None = None, timeout=30.0):
+        self.url = url
+        self.context = context if context is not None else ts.Context()
+        self.timeout = timeout
+        self._kv = ts.KvStore.open(url, context=self.context).result(timeout=timeout)
+
+    # -- primitives ---------------------------------------------------------------------------
+
+    def read(self, key: str) -> tuple[bytes | None, bytes]:
+        """(value or None, generation) of `key`."""
+        r = self._kv.read(key).result(timeout=self.timeout)
+        return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
+
+    def write(self, key: str, value: bytes | None, *, if_equal: bytes | None = None):
+        """Write (None: delete) `key`; with `if_equal`, only if its generation is still that
+        (`_ABSENT`: only if it does not exist). Returns the new generation, or None when the
+        condition failed."""
+        stamp = self._kv.write(key, value, if_equal=if_equal).result(timeout=self.timeout)
+        return bytes(stamp.generation) or None
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys under `prefix`, sorted, without the prefix."""
+        p = prefix.encode()
+        rng = ts.KvStore.KeyRange(inclusive_min=p, exclusive_max=p[:-1] + bytes([p[-1] + 1]))
+        keys = self._kv.list(rng).result(timeout=self.timeout)
+        return sorted(k.decode()[len(prefix) :] for k in keys)
+
+    def _ids(self, prefix: str, suffix: str = "") -> list[int]:
+        return [int(k[: len(k) - len(suffix)]) for k in self.list(prefix) if k.endswith(suffix)]
+
+    # -- the trainer's incarnations and pulse -------------------------------------------------
+
+    def begin_epoch(self, record: dict[str, Any]) -> int:
+        """Register a new trainer incarnation (epoch = the last one + 1) with `record`; a
+        conditional create, so two trainers starting on one exchange cannot share an epoch."""
+        epoch = max(self.epochs(), default=0) + 1
+        body = json.dumps({**record, "epoch": epoch}).encode()
+        if self.write(f"trainer/epoch-{epoch:06d}", body, if_equal=_ABSENT) is None:
+            raise RuntimeError(
+                f"another trainer registered epoch {epoch} on the exchange {self.url} at the "
+                "same moment: one trainer per exchange"
+            )
+        return epoch
+
+    def epochs(self) -> list[int]:
+        return self._ids("trainer/epoch-")
+
+    def epoch_record(self, epoch: int) -> dict[str, Any] | None:
+        raw, _ = self.read(f"trainer/epoch-{epoch:06d}")
+        return None if raw is None else json.loads(raw)
+
+    def sync_transport(self, epoch: int) -> KvStoreTransport:
+        """The PULSESync transport of incarnation `epoch` (its own key prefix, so a resumed
+        trainer's versions never mix with the dead one's)."""
+        spec = self._kv.spec().to_json()
+        spec["path"] = spec.get("path", "") + f"sync/e{epoch:06d}/"
+        return KvStoreTransport(spec, context=self.context, timeout=self.timeout)
+
+    def put_pulse(self, name: str, payload: dict[str, Any]) -> None:
+        """A job's heartbeat (`trainer/heartbeat`, `samplers/<id>`)."""
+        self.write(name, json.dumps(payload).encode())
+
+    def pulse(self, name: str) -> tuple[dict[str, Any] | None, bytes]:
+        raw, gen = self.read(name)
+        return (None if raw is None else json.loads(raw)), gen
+
+    # -- work items ---------------------------------------------------------------------------
+
+    def put_item(self, item: WorkItem) -> None:
+        self.write(f"items/{_id(item.id)}.json", item.to_json())
+
+    def item(self, item_id: int) -> WorkItem | None:
+        raw, _ = self.read(f"items/{_id(item_id)}.json")
+        return None if raw is None else WorkItem.from_json(raw)
+
+    def item_ids(self) -> list[int]:
+        return self._ids("items/", ".json")
+
+    def close_item(self, item_id: int, verdict: str) -> None:
+        """The trainer's verdict (`consumed`, `dropped:<reason>`): samplers stop working on it."""
+        self.write(f"closed/{_id(item_id)}", verdict.encode())
+
+    def reopen_item(self, item_id: int) -> None:
+        """Void a verdict (a resumed trainer's: the dead incarnation's ledger rows are cut)."""
+        self.write(f"closed/{_id(item_id)}", None)
+
+    def closed_ids(self) -> set[int]:
+        return set(self._ids("closed/"))
+
+    # -- claims -------------------------------------------------------------------------------
+
+    def claim(self, item_id: int, sampler: str) -> Claim | None:
+        """Claim an unclaimed item: a conditional create, so of samplers racing for the same
+        item exactly one gets a `Claim`; the others get None."""
+        body = json.dumps({"sampler": sampler, "renewals": 0}).encode()
+        gen = self.write(f"claims/{_id(item_id)}", body, if_equal=_ABSENT)
+        return None if gen is None else Claim(item_id, sampler, 0, gen)
+
+    def renew(self, claim: Claim) -> Claim | None:
+        """Show the claim is alive (a new generation the trainer sees change); None when the
+        claim is no longer this sampler's (it was never changed by anyone else in this
+        protocol, so that means the key was removed)."""
+        n = claim.renewals + 1
+        body = json.dumps({"sampler": claim.sampler, "renewals": n}).encode()
+        gen = self.write(f"claims/{_id(claim.item)}", body, if_equal=claim.generation)
+        return None if gen is None else dataclasses.replace(claim, renewals=n, generation=gen)
+
+    def claim_state(self, item_id: int) -> tuple[dict[str, Any] | None, bytes]:
+        raw, gen = self.read(f"claims/{_id(item_id)}")
+        return (None if raw is None else json.loads(raw)), gen
+
+    def claimed_ids(self) -> set[int]:
+        return set(self._ids("claims/"))
+
+    # -- rollouts -----------------------------------------------------------------------------
+
+    def put_rollout(self, rollout: Rollout) -> None:
+        """The blob, then its READY marker with the blob's sha256 and size."""
+        blob = encode_rollout(rollout)
+        key = _id(rollout.item)
+        self.write(f"rollouts/{key}.npz", blob)
+        ready = {"sha256": hashlib.sha256(blob).hexdigest(), "nbytes": len(blob)}
+        self.write(f"READY/rollouts/{key}", json.dumps(ready).encode())
+
+    def ready_rollouts(self) -> set[int]:
+        return set(self._ids("READY/rollouts/"))
+
+    def rollout(self, item_id: int) -> Rollout | None:
+        """The READY rollout of `item_id` (None when not READY); its bytes must match the
+        marker's checksum, else `CorruptRolloutError`."""
+        key = _id(item_id)
+        marker, _ = self.read(f"READY/rollouts/{key}")
+        if marker is None:
+            return None
+        blob, _ = self.read(f"rollouts/{key}.npz")
+        try:
+            expect = json.loads(marker)
+            ok = blob is not None and len(blob) == expect["nbytes"]
+            ok = ok and hashlib.sha256(blob).hexdigest() == expect["sha256"]
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise CorruptRolloutError(f"rollout of item {item_id} does not match its checksum")
+        out = decode_rollout(blob)
+        if out.item != item_id:
+            raise CorruptRolloutError(f"rollout blob of item {item_id} names item {out.item}")
+        return out

@@ -1,0 +1,110 @@
+"""The decoupled trainer's ledger: `consumed.jsonl` (one row per work item the learner trained
+on) and `dropped.jsonl` (items dropped as stale, expired, corrupt or abandoned) in the run
+directory, and the check that they prove exactly-once.
+
+Rows are appended (flushed and fsynced) by the trainer only. A trainer checkpoint records how
+many rows each file had; a resumed trainer first cuts both files back to that position (rows
+of steps it is about to redo), so a resume never duplicates a row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FILES", "Ledger", "check_exactly_once"]
+
+FILES = ("consumed", "dropped")
+
+
+class Ledger:
+    """Append-only JSONL files `<run_dir>/consumed.jsonl` and `<run_dir>/dropped.jsonl`."""
+
+    def __init__(self, run_dir: str | Path):
+        self.dir = Path(run_dir)
+        self.paths = {name: self.dir / f"{name}.jsonl" for name in FILES}
+        self._counts = {name: len(self.rows(name)) for name in FILES}
+
+    def rows(self, name: str) -> list[dict[str, Any]]:
+        """The complete rows of one file (a torn last line, from a kill mid-write, is skipped)."""
+        path = self.paths[name]
+        if not path.exists():
+            return []
+        out = []
+        lines = path.read_text().splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            if not line.endswith("\n"):
+                break
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                if i == len(lines) - 1:
+                    break
+                raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
+        return out
+
+    def position(self) -> dict[str, int]:
+        """Rows per file: what a checkpoint records."""
+        return dict(self._counts)
+
+    def truncate(self, position: dict[str, int]) -> None:
+        """Keep the first `position[name]` rows of each file (atomically: temp file + rename)."""
+        for name in FILES:
+            keep = self.rows(name)[: int(position.get(name, 0))]
+            path = self.paths[name]
+            tmp = path.with_name(path.name + ".tmp")
+            with tmp.open("w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in keep)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+            self._counts[name] = len(keep)
+
+    def append(self, name: str, row: dict[str, Any]) -> None:
+        with self.paths[name].open("a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        self._counts[name] += 1
+
+
+def check_exactly_once(run_dir: str | Path) -> dict[str, Any]:
+    """Check what the ledger proves; returns counts, raises ValueError naming the first breach.
+
+    - every consumed item id appears once, and no consumed item was also dropped;
+    - each data batch is consumed at most once, and the batches consumed, with those still
+      pending when the trainer last stopped (`pending.json`), are 0..K-1 without a gap
+      (re-issued prompts keep their batch number: a batch dropped and re-issued is consumed
+      once, under its new id);
+    - one consumed row per step, steps 1, 2, ...;
+    - every dropped-and-re-issued item names an item that exists (`reissued_as`).
+    """
+    ledger = Ledger(run_dir)
+    consumed, dropped = ledger.rows("consumed"), ledger.rows("dropped")
+    ids = Counter(r["item"] for r in consumed)
+    twice = [i for i, n in ids.items() if n > 1]
+    if twice:
+        raise ValueError(f"items consumed more than once: {twice[:10]}")
+    both = sorted(set(ids) & {r["item"] for r in dropped})
+    if both:
+        raise ValueError(f"items both consumed and dropped: {both[:10]}")
+    batches = Counter(r["batch"] for r in consumed)
+    again = [b for b, n in batches.items() if n > 1]
+    if again:
+        raise ValueError(f"data batches trained on more than once: {again[:10]}")
+    pending_path = Path(run_dir) / "pending.json"
+    pending = set(json.loads(pending_path.read_text())) if pending_path.exists() else set()
+    covered = set(batches) | pending
+    # A dropped item's batch is re-issued (an abandoned one comes again from the data state).
+    issued = {r["batch"] for r in dropped if r["batch"] is not None} | covered
+    gaps = sorted(set(range(max(issued, default=-1) + 1)) - covered)
+    if gaps:
+        raise ValueError(f"data batches neither trained on nor pending (lost): {gaps[:10]}")
+    steps = [r["step"] for r in consumed]
+    if steps != list(range(1, len(steps) + 1)):
+        raise ValueError(f"consumed rows are not one per step 1, 2, ...: {steps[:20]}")
+    reasons = Counter(r["reason"] for r in dropped)
+    return {"consumed": len(consumed), "dropped": len(dropped), "reasons": dict(reasons)}

@@ -1,0 +1,344 @@
+"""`sparserl trainer`: the decoupled trainer job (docs/decoupled.md).
+
+It owns the data pipeline, the learner, the checkpoints and the PULSESync publisher; it meets
+the samplers only through the exchange. One step:
+
+    1. keep `async.max_staleness + 1` work items outstanding (`WorkQueue.fill`);
+    2. wait for the oldest usable READY rollout (idle time: `async/trainer_wait_s`); a rollout
+       more than `max_staleness` versions behind, from weights outside this run's lineage, or
+       whose weights digest is not the one published for its version, is dropped and its
+       prompts re-issued; so are items whose claim lapsed;
+    3. the learn half of `sparserl train`'s step (`step.learn_step`): rewards, advantages,
+       pi_old = the trainer's current published weights (dense recompute), the gated passes,
+       publication of the next version;
+    4. a ledger row, a metrics row, a checkpoint every `train.save_every` steps.
+
+Resume (the same command after kill -9): the checkpoint holds the learner state, the data
+iterator state, the queue (next ids, outstanding items, prompts to re-issue), the ledger position
+and the sync version; the ledger is cut back to that position, a new incarnation (epoch) is
+registered, and PULSESync restarts from an anchor of the checkpointed weights under the same run
+id on the epoch's own key prefix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from sparserl_jax.build import build_model, build_tokenizer
+from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
+from sparserl_jax.config import Config, to_dict
+from sparserl_jax.data import make_reward_fn, prompt_iterator
+from sparserl_jax.decoupled.evaluate import Evaluator
+from sparserl_jax.decoupled.exchange import Exchange, Rollout
+from sparserl_jax.decoupled.ledger import Ledger
+from sparserl_jax.decoupled.queue import WorkQueue
+from sparserl_jax.metrics import MetricsWriter, step_metrics, summarise_rewards, truncate_metrics
+from sparserl_jax.parallel import make_mesh
+from sparserl_jax.rl import Learner
+from sparserl_jax.sft import sft_warm_start
+from sparserl_jax.step import learn_step
+from sparserl_jax.sync import Publisher, new_run_id
+from sparserl_jax.train import check_config
+
+__all__ = ["exchange_url", "run_trainer"]
+
+
+def exchange_url(cfg: Config) -> str:
+    """`exchange.url`, or `file://<run_dir>/exchange/` (absolute)."""
+    if cfg.exchange.url:
+        return cfg.exchange.url
+    return f"file://{Path(cfg.run_dir).absolute()}/exchange/"
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {k: _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x.item() if isinstance(x, np.generic) else x
+
+
+def _restore(cfg: Config, learner: Learner, model, tokenizer, ckpt, log_fn):
+    """(state, meta) from the newest checkpoint, or a warm start saved as step 0."""
+    if cfg.train.resume and ckpt.steps():
+        restored = ckpt.restore_latest({"learner": learner.init(model)})
+        if restored is not None:
+            log_fn(f"resumed from {ckpt.directory} at step {restored[1]['step']}")
+            return restored[0]["learner"], restored[1]
+    if cfg.sft.steps:
+        losses = sft_warm_start(model, cfg.sft, cfg.data, tokenizer)
+        log_fn(f"SFT warm start: {cfg.sft.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    state = learner.init(model)
+    meta = {"step": 0, "data_state": None, "sync_version": 0, "sync_run_id": new_run_id()}
+    ckpt.save(0, {"learner": state}, meta)
+    return state, meta
+
+
+class _Usable:
+    """The verdict on a rollout: (ok, drop reason, staleness). Usable iff its weights are in
+    this run's lineage, at most `max_staleness` versions behind, and digest-identical to what
+    the trainer published as that version."""
+
+    def __init__(self, exchange: Exchange, epoch: int, max_staleness: int):
+        self.max_staleness = max_staleness
+        self.digests: dict[int, str] = {}
+        self.version = 0
+        # Version w of incarnation e is in the lineage iff every later incarnation started
+        # from a version >= w (a restart keeps versions up to its checkpoint, no later ones).
+        self.starts = {e: exchange.epoch_record(e)["start_version"] for e in exchange.epochs()}
+        self.epoch = epoch
+
+    def __call__(self, r: Rollout) -> tuple[bool, str, int]:
+        staleness = self.version - r.weight_version
+        later = [v for e, v in self.starts.items() if r.epoch < e <= self.epoch]
+        if r.weight_version > min(later, default=r.weight_version) or staleness < 0:
+            return False, "orphaned", staleness
+        if staleness > self.max_staleness:
+            return False, "stale", staleness
+        if self.digests.get(r.weight_version) != r.state_digest:
+            return False, "unverified", staleness
+        return True, "", staleness
+
+
+def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) -> dict:
+    """Run the decoupled trainer for `cfg` until `train.steps`; returns the summary."""
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, topology="colocated"))
+    check_config(cfg)
+    tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    ex = exchange if exchange is not None else Exchange(exchange_url(cfg))
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+    mesh = make_mesh(cfg.mesh, jax.devices())
+    model = build_model(cfg.model, mesh)
+    learner = Learner(model, cfg.learner, mesh=mesh)
+    ckpt = CheckpointManager(cfg.run_dir, keep=tcfg.keep_checkpoints, async_save=False)
+    state, meta = _restore(cfg, learner, model, tokenizer, ckpt, log_fn)
+    start_step, version = int(meta["step"]), int(meta.get("sync_version", 0))
+    qstate = meta.get("async")
+    ledger = Ledger(run_dir)
+    ledger.truncate(qstate["ledger"] if qstate else {})
+    kept = truncate_metrics(run_dir, start_step)
+    epoch = ex.begin_epoch({"start_version": version, "step": start_step, "pid": os.getpid()})
+    publisher = Publisher(
+        ex.sync_transport(epoch),
+        config=cfg.sync,
+        start_version=version,
+        run_id=meta.get("sync_run_id"),
+    )
+    publisher.publish(state.params)
+    usable = _Usable(ex, epoch, acfg.max_staleness)
+    usable.digests = {int(k): v for k, v in meta.get("digests", {}).items()}
+    usable.digests[publisher.version] = publisher.state_digest
+    usable.version = publisher.version
+    queue = WorkQueue(
+        ex,
+        ledger,
+        prompt_iterator(cfg.data, state=meta.get("data_state")),
+        tokenizer,
+        epoch=epoch,
+        seed=tcfg.seed,
+        max_prompt_len=cfg.rollout.max_prompt_len,
+        max_staleness=acfg.max_staleness,
+        lease_s=xcfg.lease_s,
+        state=qstate,
+        log_fn=log_fn,
+    )
+    reward_fn = make_reward_fn(cfg.data)
+    writer = MetricsWriter(run_dir, tensorboard=tcfg.tensorboard)
+    summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step}
+    evaluator = None
+    if tcfg.eval_examples:
+        evaluator = Evaluator(cfg, learner, model, state.params, mesh, tokenizer, reward_fn)
+
+    def evaluate(step: int, when: str | None) -> dict[str, Any]:
+        val = evaluator(publisher.transport) if evaluator is not None else {}
+        if val and when is not None:
+            summary[f"val_reward_{when}"] = val["val/reward_mean"]
+            summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
+            log_fn(
+                f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
+                f"{val['val/greedy_reward_mean']:.3f} (greedy)"
+            )
+        return val
+
+    pulse = _Pulse(ex, epoch, xcfg.lease_s)
+    pulse.step, pulse.version = start_step, publisher.version
+    pulse.start()
+    log_fn(f"trainer: epoch {epoch}, step {start_step}, version {version}, exchange {ex.url}")
+    val = evaluate(start_step, "before")
+    if val and not any(r.get("step") == start_step for r in kept):
+        writer.write(start_step, val)
+
+    def save(step: int) -> None:
+        keep = range(publisher.version - acfg.max_staleness, publisher.version + 1)
+        meta = {
+            "data_state": _jsonable(queue.data_it.get_state()),
+            "sync_version": publisher.version,
+            "sync_run_id": publisher.run_id,
+            "async": queue.state(),
+            "digests": {str(v): d for v, d in usable.digests.items() if v in keep},
+        }
+        ckpt.save(step, {"learner": state}, meta)
+        ckpt.wait()
+        saved.append(step)
+
+    step, staleness_seen, rewards_seen, saved = start_step, [], [], [start_step]
+    # SIGTERM and SIGINT (`launch` forwards Ctrl-C): finish the step, checkpoint, stop.
+    with PreemptionGuard((signal.SIGTERM, signal.SIGINT)) as guard:
+        while step < tcfg.steps and not guard.requested:
+            t_step = time.perf_counter()
+            got, t_wait = None, 0.0
+            while got is None and not guard.requested:
+                queue.fill(publisher.version)
+                got = queue.next_rollout(step + 1, publisher.version, usable)
+                if got is None:
+                    time.sleep(xcfg.poll_s)
+                    t_wait = time.perf_counter() - t_step
+            if got is None:
+                break
+            step += 1
+            item, rollout = got
+            staleness = publisher.version - rollout.weight_version
+            out = learn_step(
+                cfg,
+                learner,
+                state,
+                publisher,
+                reward_fn,
+                tokenizer,
+                examples=item.examples,
+                result=rollout.result,
+                step=step,
+            )
+            state = out.state
+            pulse.step, pulse.version = step, publisher.version
+            usable.version = publisher.version
+            usable.digests[publisher.version] = publisher.state_digest
+            staleness_seen.append(staleness)
+            rewards_seen.append(float(out.rewards.mean()))
+            queue.consumed(
+                item,
+                {
+                    "step": step,
+                    "sampler": rollout.sampler,
+                    "weight_version": rollout.weight_version,
+                    "staleness": staleness,
+                    "verified": True,
+                    "epoch": epoch,
+                    "rollout_epoch": rollout.epoch,
+                },
+            )
+            t_total = time.perf_counter() - t_step
+            row = step_metrics(
+                rewards=out.rewards,
+                advantages=out.advantages,
+                rollout=rollout.result,
+                max_new_tokens=cfg.rollout.max_new_tokens,
+                history=out.history,
+                published=out.published,
+                sync_events=[],
+                timings={"wait": t_wait, **out.timings, "step": t_total},
+            )
+            row.update(out.extra)
+            row.update(
+                {
+                    "sync/verified": True,  # the rollout's weights digest matched (`_Usable`)
+                    "async/staleness": staleness,
+                    "async/staleness_mean": float(np.mean(staleness_seen)),
+                    "async/staleness_max": int(max(staleness_seen)),
+                    "async/dropped_stale": queue.counts["stale"],
+                    "async/expired_claims": queue.counts["expired"],
+                    "async/dropped": sum(queue.counts.values()),
+                    "async/trainer_wait_s": t_wait,
+                    "async/samplers_alive": pulse.samplers_alive(),
+                    "async/sampler": rollout.sampler,
+                    "perf/steps_per_s": 1.0 / max(t_total, 1e-9),
+                }
+            )
+            # The correction's metrics again under the staleness they were measured at.
+            split = "correction_fresh/" if staleness == 0 else "correction_stale/"
+            row.update({split + k[11:]: v for k, v in row.items() if k.startswith("correction/")})
+            if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
+                row.update(evaluate(step, None))
+            writer.write(step, row)
+            if step % tcfg.save_every == 0 or step == tcfg.steps or guard.requested:
+                save(step)
+    if saved[-1] != step:  # stopped by a signal while waiting for a rollout
+        save(step)
+    (run_dir / "pending.json").write_text(json.dumps(queue.pending_batches()))
+    done = not guard.requested
+    if done:
+        val = evaluate(step, "after")
+        if val:
+            writer.write(step, val)
+    pulse.finish(done)
+    writer.close()
+    ckpt.close()
+    summary |= {
+        "end_step": step,
+        "epoch": epoch,
+        "sync_version": publisher.version,
+        "dropped": dict(queue.counts),
+        "metrics": str(writer.path),
+    }
+    summarise_rewards(summary, rewards_seen, cfg.rollout.temperature, start_step, step, log_fn)
+    if staleness_seen:
+        summary["staleness_mean"] = float(np.mean(staleness_seen))
+    if not done:
+        log_fn(f"stopped by signal at step {step}; checkpoint saved")
+        summary["stopped_by_signal"] = True
+    return summary
+
+
+class _Pulse(threading.Thread):
+    """The trainer's heartbeat, from a side thread every second (so a long compile or update
+    never looks like a dead trainer), and its view of the samplers': a sampler is alive while
+    its pulse changes within `lease_s` of this process's clock."""
+
+    def __init__(self, exchange: Exchange, epoch: int, lease_s: float):
+        super().__init__(daemon=True)
+        self.ex, self.epoch, self.lease_s = exchange, epoch, lease_s
+        self.step = self.version = 0
+        self._stop_event = threading.Event()
+        self._seen: dict[str, tuple[bytes, float]] = {}
+
+    def _beat(self, done: bool) -> None:
+        payload = {"epoch": self.epoch, "step": self.step, "version": self.version, "done": done}
+        self.ex.put_pulse("trainer/heartbeat", {**payload, "time": time.time()})
+
+    def run(self) -> None:
+        while True:
+            # The exchange briefly unreachable: the next beat tries again.
+            with contextlib.suppress(ValueError, OSError, RuntimeError):
+                self._beat(False)
+            if self._stop_event.wait(1.0):
+                return
+
+    def finish(self, done: bool) -> None:
+        """Stop beating; the last beat says whether the run is done (samplers then exit)."""
+        self._stop_event.set()
+        self.join()
+        self._beat(done)
+
+    def samplers_alive(self) -> int:
+        now, alive = time.monotonic(), 0
+        for name in self.ex.list("samplers/"):
+            _, gen = self.ex.pulse(f"samplers/{name}")
+            seen = self._seen.get(name)
+            if seen is None or seen[0] != gen:
+                self._seen[name] = seen = (gen, now)
+            alive += now - seen[1] < self.lease_s
+        return alive

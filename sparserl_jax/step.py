@@ -1,0 +1,107 @@
+"""The learn half of an RL step, shared by `sparserl train` (`train._Run.step`) and the
+decoupled trainer (`sparserl_jax.decoupled.trainer`): from a finished rollout to the published
+weights of the next version."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+
+from sparserl_jax.config import Config
+from sparserl_jax.data import compute_rewards
+from sparserl_jax.rl import Learner, LearnerState, RLBatch, compute_advantages
+from sparserl_jax.rollout import RolloutResult
+from sparserl_jax.sampler import completion_texts, published_params
+from sparserl_jax.sync import Published, Publisher
+
+__all__ = ["Learned", "learn_step", "rl_batch"]
+
+
+def rl_batch(result: RolloutResult, advantages_b: np.ndarray, seq_len: int) -> RLBatch:
+    """The learner's batch: `result.sequences()` right-padded to the static width `seq_len`
+    (so the learner compiles once), with the advantages of every row."""
+    tokens, mask, logp = result.sequences()
+    width = tokens.shape[1]
+    if width > seq_len:
+        raise ValueError(f"rollout rows are {width} tokens wide, more than seq_len {seq_len}")
+    pad = ((0, 0), (0, seq_len - width))
+    return RLBatch(
+        tokens_bt=np.pad(tokens, pad),
+        mask_bt=np.pad(mask, pad),
+        advantages_b=np.asarray(advantages_b, np.float32),
+        sampler_logp_bt=np.pad(logp, pad),
+    )
+
+
+class Learned(NamedTuple):
+    """What `learn_step` produced: the new learner state and the parts of the metrics row."""
+
+    state: LearnerState
+    rewards: np.ndarray
+    advantages: np.ndarray
+    history: list
+    published: Published
+    timings: dict[str, float]  # old_log_prob, update_actor, publish
+    extra: dict[str, Any]
+
+
+def learn_step(
+    cfg: Config,
+    learner: Learner,
+    state: LearnerState,
+    publisher: Publisher,
+    reward_fn,
+    tokenizer,
+    *,
+    examples,
+    result: RolloutResult,
+    step: int,
+    preparing: contextlib.AbstractContextManager | None = None,
+    on_update: Callable[[], None] | None = None,
+) -> Learned:
+    """Steps 2-4 of an RL step and the publication of step 5, on a finished rollout of
+    `examples`: rewards, group advantages, pi_old (the dense policy with the publisher's last
+    published weights; the sampler's logprobs with `learner.correction.bypass`), the gated
+    passes, then `publisher.publish` of the new master weights.
+
+    `preparing` is entered around everything before the update (a region a signal may abort:
+    nothing has changed yet), and `on_update()` is called when the update starts."""
+    rcfg = cfg.rollout
+    bypass = cfg.learner.correction.bypass
+    with preparing if preparing is not None else contextlib.nullcontext():
+        texts = completion_texts(result, tokenizer)
+        rewards = compute_rewards(reward_fn, examples, texts, group_size=rcfg.n_samples, step=step)
+        adv = np.asarray(
+            compute_advantages(
+                jnp.asarray(rewards),
+                group_size=rcfg.n_samples,
+                estimator=cfg.train.advantage_estimator,
+            )
+        )
+        batch = rl_batch(result, adv, rcfg.max_prompt_len + rcfg.max_new_tokens)
+
+        t0 = time.perf_counter()
+        if not bypass:  # with bypass the learner takes pi_old := mu (no recompute)
+            old_params = published_params(
+                publisher.sent_bits, state.params, cfg.sync.jnp_publish_dtype
+            )
+            batch = batch._replace(old_logp_bt=learner.logprobs(old_params, batch.tokens_bt))
+        t_old = time.perf_counter() - t0
+    if on_update is not None:
+        on_update()
+
+    t0 = time.perf_counter()
+    state, history = learner.train_on_batch(state, batch)
+    t_upd = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    published = publisher.publish(state.params)
+    timings = {"old_log_prob": t_old, "update_actor": t_upd, "publish": time.perf_counter() - t0}
+    # 1: pi_old was the sampler's logprobs and `timing_s/old_log_prob` is ~0 (skipped).
+    extra = {"actor/old_log_prob_bypassed": int(bypass)}
+    return Learned(state, rewards, adv, history, published, timings, extra)

@@ -1,0 +1,223 @@
+"""Decoupled training (`sparserl trainer` / `sampler` / `launch`) end to end on the tiny config:
+staleness 0 equals `sparserl train` bit for bit; a launch with 2 samplers, one killed with -9
+mid-run, completes with every rollout's weights verified; a trainer killed with -9 and started
+again completes with the ledger exactly-once; a sampler with no trainer gives up cleanly."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import pytest
+import tensorstore as ts
+
+from sparserl_jax.build import build_model
+from sparserl_jax.checkpoint import CheckpointManager
+from sparserl_jax.config import load_config
+from sparserl_jax.decoupled.exchange import Exchange
+from sparserl_jax.decoupled.ledger import Ledger, check_exactly_once
+from sparserl_jax.decoupled.sampler_job import GAVE_UP, run_sampler
+from sparserl_jax.decoupled.trainer import run_trainer
+from sparserl_jax.metrics import read_metrics
+from sparserl_jax.rl import Learner
+from sparserl_jax.testing import assert_trees_equal
+from sparserl_jax.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+# The length reward makes every rollout move the weights (the task's reward is 0 for a random
+# model: zero advantages, and weights that would agree whatever was sampled).
+FAST = [
+    "train.eval_examples=0",
+    "exchange.poll_s=0.05",
+    "data.reward_fn=sparserl_jax.testing.fixtures:length_reward",
+]
+
+
+def _final_params(run_dir, step):
+    cfg = load_config(TINY, [f"run_dir={run_dir}"])
+    model = build_model(cfg.model)
+    template = {"learner": Learner(model, cfg.learner).init(model)}
+    mngr = CheckpointManager(run_dir, async_save=False)
+    state, meta = mngr.restore(step, template)
+    mngr.close()
+    return jax.device_get(state["learner"].params), meta
+
+
+@pytest.mark.parametrize(
+    "url,why",
+    [("memory://", "no trainer heartbeat yet"), ("nosuchdriver://x/", "cannot reach the exchange")],
+)
+def test_sampler_without_trainer_or_exchange_gives_up_with_a_log_line(tmp_path, url, why):
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "exchange.give_up_s=1", *FAST])
+    lines = []
+    out = run_sampler(cfg, "lonely", url=url, log_fn=lines.append)
+    assert out["exit_code"] == GAVE_UP and out["items"] == []
+    assert lines and all("waiting" in line and why in line for line in lines), lines
+
+
+@pytest.mark.slow
+def test_staleness_zero_equals_sparserl_train_bit_for_bit(tmp_path):
+    """One process, one exchange in memory: the decoupled trainer (main thread) and a sampler
+    (a thread) with `async.max_staleness=0` train on the same batches, seeds and weights as
+    `sparserl train`, so the final master weights are equal bit for bit."""
+    # data.batch_size=4: 8 rows over the 8 fake devices of the test process.
+    common = ["train.steps=3", "data.batch_size=4", "async.max_staleness=0", *FAST]
+    ref = train(load_config(TINY, [f"run_dir={tmp_path / 'ref'}", *common]), log_fn=print)
+    cfg = load_config(TINY, [f"run_dir={tmp_path / 'dec'}", *common])
+    ctx = ts.Context()
+    got = {}
+    sampler = threading.Thread(
+        target=lambda: got.update(
+            run_sampler(cfg, "0", url="memory://", exchange=Exchange("memory://", context=ctx))
+        )
+    )
+    sampler.start()
+    summary = run_trainer(cfg, exchange=Exchange("memory://", context=ctx))
+    sampler.join(timeout=300)
+    assert summary["end_step"] == ref["end_step"] == 3 and summary["dropped"] == {}
+    assert got["exit_code"] == 0 and got["items"] == [0, 1, 2]
+    a, meta_a = _final_params(tmp_path / "ref", 3)
+    b, meta_b = _final_params(tmp_path / "dec", 3)
+    assert_trees_equal(a, b)
+    assert meta_a["data_state"] == meta_b["data_state"]
+    assert meta_a["sync_version"] == meta_b["sync_version"] == 3
+    rows = Ledger(tmp_path / "dec").rows("consumed")
+    assert [(r["item"], r["step"], r["staleness"]) for r in rows] == [
+        (0, 1, 0),
+        (1, 2, 0),
+        (2, 3, 0),
+    ]
+    ra = read_metrics(tmp_path / "ref" / "metrics.jsonl")
+    rb = read_metrics(tmp_path / "dec" / "metrics.jsonl")
+    assert [r["critic/score/mean"] for r in ra] == [r["critic/score/mean"] for r in rb]
+    assert all(r["critic/score/std"] > 0 for r in rb)  # the rollouts did steer the updates
+
+
+def _env():
+    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device each
+
+
+def _spawn(*args, log: Path):
+    cmd = [sys.executable, "-m", "sparserl_jax", *args]
+    with log.open("ab") as f:
+        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+
+
+def _wait_for(cond, proc, what, timeout=600):
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        assert proc is None or proc.poll() is None, f"ended before {what}"
+        time.sleep(0.05)
+
+
+def _verified_versions(log: Path) -> set[tuple[int, int]]:
+    """(epoch, version) pairs a sampler's log says it verified bit-identical."""
+    epoch, out = None, set()
+    for line in log.read_text().splitlines():
+        if m := re.search(r"following trainer epoch (\d+)", line):
+            epoch = int(m.group(1))
+        if m := re.search(r"(?:anchor|patch) (\d+) verified bit-identical", line):
+            out.add((epoch, int(m.group(1))))
+    return out
+
+
+def _check_rows_verified(run_dir: Path, logs: dict[str, Path]) -> list[dict]:
+    rows = Ledger(run_dir).rows("consumed")
+    for r in rows:
+        assert r["verified"] and r["staleness"] <= 1, r
+        assert (r["rollout_epoch"], r["weight_version"]) in _verified_versions(logs[r["sampler"]])
+    return rows
+
+
+@pytest.mark.slow
+def test_launch_two_samplers_one_killed_completes(tmp_path):
+    """`sparserl launch --samplers 2`; sampler 1 is killed with -9 while it holds a claim: its
+    claim expires, the item is re-issued, sampler 0 finishes the run. Every consumed rollout
+    was made with weights its sampler verified bit-identical; the ledger is exactly-once."""
+    run = tmp_path / "run"
+    args = [
+        "launch",
+        TINY,
+        "--samplers",
+        "2",
+        f"run_dir={run}",
+        # Staleness 0: one item outstanding at a time, so the run cannot finish without the
+        # killed sampler's item, and its claim must expire (at staleness > 0 the others could
+        # finish the run before the lease runs out, leaving it pending).
+        "train.steps=8",
+        "async.max_staleness=0",
+        "exchange.lease_s=4",
+        *FAST,
+        "train.eval_examples=2",  # held-out reward before and after, as `sparserl train` prints
+    ]
+    launcher = _spawn(*args, log=tmp_path / "launch.log")
+    ex_dir = run / "exchange"
+    logs = {str(i): run / "logs" / f"sampler-{i}.log" for i in range(2)}
+
+    def sampler1_claims():
+        claims = ex_dir / "claims"
+        ready = ex_dir / "READY" / "rollouts"
+        for c in claims.glob("*") if claims.is_dir() else []:
+            done = (ready / c.name).exists()
+            if not done and json.loads(c.read_text())["sampler"] == "1":
+                return True
+        return False
+
+    _wait_for(lambda: logs["1"].exists() and sampler1_claims(), launcher, "a claim of sampler 1")
+    pid = int(re.search(r"sampler 1 pid (\d+)", (tmp_path / "launch.log").read_text()).group(1))
+    os.kill(pid, signal.SIGKILL)
+    assert launcher.wait(timeout=900) == 0, (tmp_path / "launch.log").read_text()[-3000:]
+    summary = json.loads((run / "logs" / "trainer.json").read_text())
+    assert summary["end_step"] == 8 and summary["dropped"].get("expired", 0) >= 1
+    assert {"val_reward_before", "val_reward_after", "train_reward_last"} <= set(summary)
+    assert check_exactly_once(run)["consumed"] == 8
+    assert json.loads((run / "pending.json").read_text()) == []  # batch 0 re-issued, consumed
+    rows = _check_rows_verified(run, logs)
+    assert {r["sampler"] for r in rows} <= {"0", "1"} and "0" in {r["sampler"] for r in rows}
+    dropped = Ledger(run).rows("dropped")
+    assert any(d["reason"] == "expired" and d["sampler"] == "1" for d in dropped)
+    metrics = [m for m in read_metrics(run / "metrics.jsonl") if "critic/score/mean" in m]
+    assert [m["step"] for m in metrics] == list(range(1, 9))
+    assert metrics[-1]["async/expired_claims"] >= 1 and "async/trainer_wait_s" in metrics[-1]
+    for m in metrics:  # the correction's metrics split by staleness
+        split = "correction_stale/" if m["async/staleness"] else "correction_fresh/"
+        key = "masked_token_fraction"
+        assert m[split + key] == m["correction/" + key]
+
+
+@pytest.mark.slow
+def test_trainer_kill9_then_same_command_completes_exactly_once(tmp_path):
+    """The trainer is killed with -9 after its step-2 checkpoint; one sampler keeps running and
+    follows the restarted trainer's new epoch (from its anchor). The run completes; every data
+    batch is trained on exactly once and no ledger row is duplicated."""
+    run = tmp_path / "run"
+    common = [TINY, f"run_dir={run}", "train.steps=6", "train.save_every=2"]
+    common += ["async.max_staleness=1", "exchange.lease_s=8", *FAST]
+    slog, tlog = tmp_path / "sampler.log", tmp_path / "trainer.log"
+    sampler = _spawn("sampler", *common[:1], "--id", "0", *common[1:], log=slog)
+    trainer = _spawn("trainer", *common, log=tlog)
+    _wait_for(lambda: (run / "checkpoints" / "2").is_dir(), trainer, "checkpoint 2")
+    _wait_for(lambda: len(Ledger(run).rows("consumed")) >= 3, trainer, "step 3")
+    trainer.send_signal(signal.SIGKILL)
+    trainer.wait()
+    before = Ledger(run).rows("consumed")
+    assert sampler.poll() is None
+    again = _spawn("trainer", *common, log=tlog)
+    assert again.wait(timeout=900) == 0, tlog.read_text()[-3000:]
+    assert sampler.wait(timeout=120) == 0, slog.read_text()[-3000:]
+    assert "resumed from" in tlog.read_text()
+    assert check_exactly_once(run)["consumed"] == 6
+    rows = Ledger(run).rows("consumed")
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert rows[:2] == before[:2]  # the checkpointed steps' rows are kept as they were
+    assert {r["epoch"] for r in rows[2:]} == {2}
+    _check_rows_verified(run, {"0": slog})
+    assert "following trainer epoch 2" in slog.read_text()

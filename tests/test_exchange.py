@@ -1,0 +1,305 @@
+"""The decoupled jobs' exchange and ledger without any model: claims (one winner of a race),
+rollout blobs (round trip, checksum), work items, trainer incarnations, the exactly-once check."""
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorstore as ts
+
+from sparserl_jax.config import load_config
+from sparserl_jax.data import Example, prompt_iterator
+from sparserl_jax.decoupled.exchange import (
+    CorruptRolloutError,
+    Exchange,
+    Rollout,
+    WorkItem,
+    decode_rollout,
+    encode_rollout,
+)
+from sparserl_jax.decoupled.ledger import Ledger, check_exactly_once
+from sparserl_jax.decoupled.queue import WorkQueue
+from sparserl_jax.decoupled.trainer import _Usable
+from sparserl_jax.models.tokenizer import CharTokenizer
+from sparserl_jax.rollout import RolloutResult
+from sparserl_jax.sampler import step_seeds
+
+TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml")
+
+
+def _urls(tmp_path):
+    return ["memory://", f"file://{tmp_path}/exchange/"]
+
+
+def _result(rows=4, width=6, seed=0):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, width + 1, rows).astype(np.int32)
+    mask = np.arange(width)[None] < lens[:, None]
+    return RolloutResult(
+        prompt_ids=[[1, 5, 6], [1, 7], [1, 5, 6], [1, 7]][:rows],
+        completion_ids=np.where(mask, rng.integers(3, 90, (rows, width)), 0).astype(np.int32),
+        sampler_logprobs=np.where(mask, -rng.random((rows, width)), 0).astype(np.float32),
+        completion_mask=mask,
+        prompt_lens=np.array([3, 2, 3, 2][:rows], np.int32),
+        completion_lens=lens,
+        tokens_evicted=rng.integers(0, 5, rows).astype(np.int32),
+        weight_version=np.full(rows, 7, np.int32),
+        finished_by_stop=mask[:, -1] == 0,
+        stats={"tokens_per_s": 12.5, "chunks": 3, "skipped": [1, 2]},
+    )
+
+
+def _item(i=0, batch=0):
+    ex = Example(prompt="1+2=", answer="3", task="arithmetic", source="a#1", index=1)
+    return WorkItem(
+        id=i, batch=batch, epoch=1, prompts=[[1, 5]], seeds=[9], examples=[ex], min_version=0
+    )
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_racing_claims_have_exactly_one_winner(tmp_path, which):
+    """Eight samplers (threads, each with its own handle on the store) race for each of five
+    items: every item has exactly one winner, and a renewal by a loser's stale view fails."""
+    url = _urls(tmp_path)[which]
+    ctx = ts.Context()
+    handles = [Exchange(url, context=ctx) for _ in range(8)]
+    wins: dict[int, list[str]] = {i: [] for i in range(5)}
+    barrier = threading.Barrier(8)
+
+    def race(k):
+        barrier.wait()
+        for i in range(5):
+            c = handles[k].claim(i, f"s{k}")
+            if c is not None:
+                wins[i].append(c.sampler)
+
+    threads = [threading.Thread(target=race, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(len(w) == 1 for w in wins.values()), wins
+    ex = handles[0]
+    state, _ = ex.claim_state(0)
+    assert state["sampler"] == wins[0][0] and ex.claimed_ids() == set(range(5))
+    # A claimed item cannot be claimed again, not even by its winner; renewing changes the
+    # generation (what the trainer watches), and a stale generation cannot renew.
+    winner = handles[int(wins[0][0][1:])]
+    _, gen = ex.claim_state(0)
+    assert winner.claim(0, "again") is None and ex.claim_state(0)[1] == gen
+    claim = winner.claim(6, "w")
+    renewed = winner.renew(claim)
+    assert renewed is not None and renewed.generation != claim.generation
+    assert ex.claim_state(6)[0] == {"sampler": "w", "renewals": 1}
+    assert winner.renew(claim) is None
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_rollout_blob_round_trip_and_checksum(tmp_path, which):
+    ex = Exchange(_urls(tmp_path)[which])
+    res = _result()
+    r = Rollout(item=3, sampler="s1", epoch=2, weight_version=7, state_digest="abc", result=res)
+    assert ex.rollout(3) is None  # not READY
+    ex.put_rollout(r)
+    assert ex.ready_rollouts() == {3}
+    back = ex.rollout(3)
+    assert (back.item, back.sampler, back.epoch, back.weight_version) == (3, "s1", 2, 7)
+    assert back.state_digest == "abc" and back.result.prompt_ids == res.prompt_ids
+    for k in ("completion_ids", "sampler_logprobs", "completion_mask", "tokens_evicted"):
+        np.testing.assert_array_equal(getattr(back.result, k), getattr(res, k))
+        assert getattr(back.result, k).dtype == getattr(res, k).dtype
+    assert back.result.stats == {"tokens_per_s": 12.5, "chunks": 3}
+    # A flipped byte, a truncated blob, a blob filed under another item: refused.
+    blob = bytearray(encode_rollout(r))
+    blob[len(blob) // 2] ^= 1
+    ex.write("rollouts/000000000003.npz", bytes(blob))
+    with pytest.raises(CorruptRolloutError, match="checksum"):
+        ex.rollout(3)
+    ex.write("rollouts/000000000003.npz", encode_rollout(r)[:-10])
+    with pytest.raises(CorruptRolloutError):
+        ex.rollout(3)
+    with pytest.raises(CorruptRolloutError):
+        decode_rollout(b"not a zip")
+    ex.put_rollout(r)
+    good = ex.read("rollouts/000000000003.npz")[0]
+    ex.write("rollouts/000000000004.npz", good)
+    ex.write("READY/rollouts/000000000004", ex.read("READY/rollouts/000000000003")[0])
+    with pytest.raises(CorruptRolloutError, match="names item 3"):
+        ex.rollout(4)
+
+
+def test_items_epochs_and_verdicts(tmp_path):
+    ex = Exchange(f"file://{tmp_path}/x/")
+    item = _item(4, batch=2)
+    ex.put_item(item)
+    assert ex.item_ids() == [4] and ex.item(4) == item and ex.item(5) is None
+    ex.close_item(4, "consumed")
+    assert ex.closed_ids() == {4}
+    ex.reopen_item(4)
+    assert ex.closed_ids() == set()
+    assert ex.begin_epoch({"start_version": 0}) == 1
+    assert ex.begin_epoch({"start_version": 5}) == 2
+    assert ex.epochs() == [1, 2] and ex.epoch_record(2)["start_version"] == 5
+    # Each epoch's PULSESync blobs live under their own prefix.
+    t1, t2 = ex.sync_transport(1), ex.sync_transport(2)
+    t1.put(0, "anchor", b"one")
+    assert t1.versions("anchor") == [0] and t2.versions("anchor") == []
+    assert (tmp_path / "x" / "sync" / "e000001" / "anchor-000000000000.psyn").exists()
+
+
+def test_unreachable_exchange_raises_not_hangs():
+    with pytest.raises(ValueError):
+        Exchange("file:///proc/definitely/not/here/", timeout=5).put_item(_item())
+
+
+def _rows(ledger, name, rows):
+    for r in rows:
+        ledger.append(name, r)
+
+
+def test_ledger_truncate_and_exactly_once(tmp_path):
+    led = Ledger(tmp_path)
+    _rows(led, "consumed", [{"item": i, "batch": i, "step": i + 1} for i in range(3)])
+    _rows(led, "dropped", [{"item": 3, "batch": 3, "reason": "stale", "step": 4}])
+    pos = led.position()
+    assert pos == {"consumed": 3, "dropped": 1}
+    _rows(led, "consumed", [{"item": 4, "batch": 3, "step": 4}])
+    (tmp_path / "consumed.jsonl").open("a").write('{"item": 5, "ba')  # torn by a kill
+    assert len(Ledger(tmp_path).rows("consumed")) == 4
+    assert check_exactly_once(tmp_path)["consumed"] == 4
+    Ledger(tmp_path).truncate(pos)
+    assert Ledger(tmp_path).position() == pos
+    # Batch 3 was dropped and is pending re-issue: not lost.
+    (tmp_path / "pending.json").write_text(json.dumps([3]))
+    assert check_exactly_once(tmp_path) == {
+        "consumed": 3,
+        "dropped": 1,
+        "reasons": {"stale": 1},
+    }
+    (tmp_path / "pending.json").write_text("[]")
+    with pytest.raises(ValueError, match="lost"):
+        check_exactly_once(tmp_path)
+    _rows(Ledger(tmp_path), "consumed", [{"item": 2, "batch": 3, "step": 4}])
+    with pytest.raises(ValueError, match="more than once"):
+        check_exactly_once(tmp_path)
+    Ledger(tmp_path).truncate(pos)
+    _rows(Ledger(tmp_path), "consumed", [{"item": 3, "batch": 3, "step": 4}])
+    with pytest.raises(ValueError, match="both consumed and dropped"):
+        check_exactly_once(tmp_path)
+
+
+# -- the trainer's work queue and its verdicts, with fake rollouts -----------------------------
+
+
+def _queue(ex, run_dir, *, state=None, staleness=1, lease_s=60.0):
+    data = load_config(TINY).data
+    return WorkQueue(
+        ex,
+        Ledger(run_dir),
+        prompt_iterator(data, state=None if state is None else state["data"]),
+        CharTokenizer(),
+        epoch=max(ex.epochs(), default=1),
+        seed=0,
+        max_prompt_len=8,
+        max_staleness=staleness,
+        lease_s=lease_s,
+        state=None if state is None else state["queue"],
+        log_fn=lambda m: None,
+    )
+
+
+def _fake(ex, item, version, digest="d0", epoch=1):
+    r = Rollout(item, "s", epoch, version, digest, _result())
+    ex.put_rollout(r)
+
+
+def test_queue_issues_judges_drops_and_reissues(tmp_path):
+    """S+1 items outstanding with the right min_version and seeds; a stale rollout, one whose
+    weights digest is not the published one and a corrupt one are dropped and their batches
+    re-issued under new ids; a usable one is taken oldest first."""
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=1)
+    usable = _Usable(ex, 1, 1)
+    usable.version, usable.digests = 3, {1: "d1", 2: "d2", 3: "d3"}
+    q.fill(3)
+    assert q.outstanding == [0, 1]
+    items = [ex.item(i) for i in q.outstanding]
+    assert [(it.batch, it.min_version) for it in items] == [(0, 2), (1, 3)]
+    assert items[0].seeds == step_seeds(0, 1, 2) and items[1].seeds == step_seeds(0, 2, 2)
+    assert q.next_rollout(4, 3, usable) is None  # nothing READY
+    _fake(ex, 0, 1, "d1")  # 2 versions behind at max_staleness 1
+    _fake(ex, 1, 3, "forged")
+    assert q.next_rollout(4, 3, usable) is None
+    rows = Ledger(tmp_path).rows("dropped")
+    assert [(r["item"], r["reason"], r["staleness"]) for r in rows] == [
+        (0, "stale", 2),
+        (1, "unverified", 0),
+    ]
+    assert ex.closed_ids() == {0, 1} and list(q.reissue) == [0, 1]
+    q.fill(3)
+    again = [ex.item(i) for i in q.outstanding]
+    assert [(it.id, it.batch, it.reissue_of) for it in again] == [(2, 0, 0), (3, 1, 1)]
+    assert again[0].prompts == items[0].prompts and again[0].seeds != items[0].seeds
+    ex.write("rollouts/000000000002.npz", b"junk")
+    ex.write("READY/rollouts/000000000002", b'{"sha256": "0", "nbytes": 4}')
+    _fake(ex, 3, 2, "d2")
+    item, rollout = q.next_rollout(4, 3, usable)
+    assert (item.id, rollout.weight_version) == (3, 2)
+    assert Ledger(tmp_path).rows("dropped")[-1]["reason"] == "corrupt"
+    q.consumed(item, {"step": 4})
+    assert Ledger(tmp_path).rows("consumed") == [{"item": 3, "batch": 1, "step": 4}]
+    assert q.pending_batches() == [0]  # batch 0's item 2 was dropped (corrupt): re-issue waits
+    assert dict(q.counts) == {"stale": 1, "unverified": 1, "corrupt": 1}
+
+
+def test_queue_expires_a_claim_that_stops_changing(tmp_path):
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=0, lease_s=0.3)
+    q.fill(0)
+    claim = ex.claim(0, "s9")
+    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    time.sleep(0.2)
+    claim = ex.renew(claim)  # alive: the trainer sees a new generation
+    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    time.sleep(0.2)
+    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None and q.outstanding == [0]
+    time.sleep(0.35)  # no renewal for longer than the lease
+    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    assert Ledger(tmp_path).rows("dropped") == [
+        {"item": 0, "step": 1, "batch": 0, "reason": "expired", "sampler": "s9"}
+    ]
+    assert list(q.reissue) == [0] and q.counts["expired"] == 1
+
+
+def test_queue_resume_abandons_later_items_and_reopens_outstanding(tmp_path):
+    """A checkpoint taken with items 0, 1 outstanding; the dead trainer then issued 2, 3 and
+    closed 0. The resumed queue reopens 0, keeps 0 and 1, abandons 2 and 3 (their batches come
+    again from the data state) and never reuses their ids."""
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=1)
+    q.fill(0)
+    state = {"queue": q.state(), "data": q.data_it.get_state()}
+    ex.close_item(0, "consumed")
+    q.outstanding.remove(0)
+    q.fill(1)
+    q.outstanding.remove(1)
+    q.fill(2)
+    assert ex.item_ids() == [0, 1, 2, 3]
+    ex.begin_epoch({"start_version": 0})
+    Ledger(tmp_path).truncate(state["queue"]["ledger"])
+    r = _queue(ex, tmp_path, state=state, staleness=1)
+    assert r.outstanding == [0, 1] and ex.closed_ids() == {2, 3}
+    assert [(d["item"], d["reason"]) for d in Ledger(tmp_path).rows("dropped")] == [
+        (2, "abandoned"),
+        (3, "abandoned"),
+    ]
+    r.outstanding.remove(1)
+    r.fill(1)
+    new = ex.item(r.outstanding[-1])
+    assert new.id == 4 and new.batch == ex.item(2).batch == 2

@@ -196,8 +196,11 @@ def read_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
-def plot_metrics(path: str | Path, out: str | Path, keys: list[str] | None = None) -> Path:
-    """One PNG with a panel per metric (numeric keys; all of them when `keys` is None)."""
+def plot_metrics(
+    path: str | Path, out: str | Path, keys: list[str] | None = None, *, skip_missing=False
+) -> Path:
+    """One PNG with a panel per metric (numeric keys; all of them when `keys` is None). A key
+    no row has is an error, or left out with `skip_missing` (a run without held-out metrics)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -213,6 +216,8 @@ def plot_metrics(path: str | Path, out: str | Path, keys: list[str] | None = Non
             if is_number and k not in ("step", "wall_time_s") and k not in numeric:
                 numeric.append(k)
     keys = keys or numeric
+    if skip_missing:
+        keys = [k for k in keys if k in numeric] or numeric
     missing = [k for k in keys if k not in numeric]
     if missing:
         raise KeyError(f"no numeric metric named {missing}; available: {numeric}")

@@ -308,7 +308,9 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     metrics = run_dir / "metrics.jsonl"
     summary.update(end_step=step, metrics=str(metrics))
     if cfg.train.plot and step > run.start_step:
-        summary["plot"] = str(plot_metrics(metrics, run_dir / "metrics.png", list(PLOTTED)))
+        summary["plot"] = str(
+            plot_metrics(metrics, run_dir / "metrics.png", list(PLOTTED), skip_missing=True)
+        )
     return summary
 
 

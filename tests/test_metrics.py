@@ -25,6 +25,11 @@ def test_jsonl_rows_and_plot(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(KeyError, match="no numeric metric named"):
         plot_metrics(tmp_path, tmp_path / "x.png", ["nope"])
+    # A run without held-out metrics still gets its plot of what it has.
+    png = plot_metrics(
+        tmp_path, tmp_path / "y.png", ["nope", "critic/score/mean"], skip_missing=True
+    )
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_non_scalar_rejected(tmp_path):

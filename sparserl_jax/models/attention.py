@@ -21,21 +21,24 @@ to chunked with one log line per reason, as `pallas_kernels._dispatch.choose_imp
 platform a kernel is refused, except splash, which runs in interpret mode (CPU tests).
 
 Splash is a Mosaic call, which XLA cannot partition: inside a program traced under a mesh
-(`jax.set_mesh`, or `jax.sharding.use_abstract_mesh`) it runs per device under `shard_map`,
-rows split over the `data`/`fsdp` axes and KV heads over `tensor` where they divide.
+(`with_attention_mesh`, `jax.set_mesh` or `jax.sharding.use_abstract_mesh`; the learner's step
+and logprobs do) it runs per device under `shard_map`, rows split over the `data`/`fsdp` axes and
+KV heads over `tensor` where they divide. Traced without one it runs as a single-device call.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
-from jax.sharding import PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import _dispatch
@@ -195,6 +198,20 @@ def _per_device(fn, args, mesh, batch: int, kv_heads: int):
     out_spec = PartitionSpec(row_spec, heads, None, None, None)
     # Pallas calls carry no varying-axes annotations; the specs above are the contract.
     return jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs), out_specs=out_spec, check_vma=False)
+
+
+def with_attention_mesh(mesh: Mesh | None, fn: Callable) -> Callable:
+    """`fn` traced under `mesh`'s abstract mesh (unchanged without a mesh), so that splash runs
+    per device under `shard_map` there: jit what this returns for a program over `mesh`."""
+    if mesh is None:
+        return fn
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def causal_attention(

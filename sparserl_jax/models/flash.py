@@ -123,9 +123,11 @@ def _backward(q_btkgh, k_btkh, v_btkh, seg_bt, out_btkgh, lse, do_btkgh, bq: int
             mask = _tile_mask(i, j, seg_i, seg_j, bq, bk)
             p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
             dp = jnp.einsum(_QK, do_c, v_j, preferred_element_type=jnp.float32)
-            ds = (p * (dp - delta_i[..., None])).astype(cdt)
-            dq = dq + jnp.einsum(_PV, ds, k_j, preferred_element_type=jnp.float32)
-            dk_j = jnp.einsum(_DKV, ds, q_i, preferred_element_type=jnp.float32)
+            # ds stays fp32 (as the reference's autodiff keeps it): rounding it to bf16 for the
+            # MXU doubles the error of dk in bf16 (tests/models/test_attention.py).
+            ds = p * (dp - delta_i[..., None])
+            dq = dq + jnp.einsum(_PV, ds, k_j.astype(jnp.float32))
+            dk_j = jnp.einsum(_DKV, ds, q_i.astype(jnp.float32))
             dv_j = jnp.einsum(_DKV, p.astype(cdt), do_c, preferred_element_type=jnp.float32)
             start = j * bk
             dk = jax.lax.dynamic_update_slice_in_dim(

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from sparserl_jax.models.attention import with_attention_mesh
 from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.parallel import batch_sharding, state_shardings
 from sparserl_jax.rl.config import LearnerConfig, LossConfig
@@ -321,11 +322,14 @@ class Learner:
                 self.param_shardings, opt_shardings, gate_shardings, rep, rep, rep
             )
         self._logprobs = jax.jit(
-            functools.partial(
-                teacher_forced_logprobs,
-                self.graphdef,
-                temperature=config.loss.temperature,
-                num_micro_batches=config.num_micro_batches,
+            with_attention_mesh(
+                mesh,
+                functools.partial(
+                    teacher_forced_logprobs,
+                    self.graphdef,
+                    temperature=config.loss.temperature,
+                    num_micro_batches=config.num_micro_batches,
+                ),
             )
         )
 
@@ -387,6 +391,8 @@ class Learner:
                 micro_sharding=micro,
                 param_shardings=self.param_shardings,
             )
+            # Splash attention (TPU) runs per device under shard_map on the mesh.
+            fn = with_attention_mesh(self.mesh, fn)
             if self.mesh is None:
                 self._steps[has_ref] = jax.jit(fn, donate_argnums=0)
             else:

@@ -179,8 +179,32 @@ def _splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, block_q: int, block_kv: i
     run = jax.vmap(per_row)
     if mesh is not None and mesh.size > 1:
         run = _per_device(run, args, mesh, b, kh)
+    if dt != jnp.float32:
+        run = _default_precision(run)
     out_bkgth = run(*args)
     return out_bkgth.transpose(0, 3, 1, 2, 4).reshape(b, tp, n, h)[:, :t]
+
+
+def _default_precision(fn: Callable) -> Callable:
+    """`fn` traced at the default matmul precision, forward and backward. Mosaic rejects the
+    fp32 contract precision that `jax_default_matmul_precision="highest"` asks of bf16 matmuls
+    (it changes nothing there: bf16 products are exact in the fp32 accumulator)."""
+
+    @jax.custom_vjp
+    def run(*args):
+        with jax.default_matmul_precision("default"):
+            return fn(*args)
+
+    def fwd(*args):
+        with jax.default_matmul_precision("default"):
+            return jax.vjp(fn, *args)
+
+    def bwd(vjp, ct):
+        with jax.default_matmul_precision("default"):
+            return vjp(ct)
+
+    run.defvjp(fwd, bwd)
+    return run
 
 
 def _per_device(fn, args, mesh, batch: int, kv_heads: int):

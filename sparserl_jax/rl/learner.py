@@ -321,17 +321,13 @@ class Learner:
             self.state_shardings = LearnerState(
                 self.param_shardings, opt_shardings, gate_shardings, rep, rep, rep
             )
-        self._logprobs = jax.jit(
-            with_attention_mesh(
-                mesh,
-                functools.partial(
-                    teacher_forced_logprobs,
-                    self.graphdef,
-                    temperature=config.loss.temperature,
-                    num_micro_batches=config.num_micro_batches,
-                ),
-            )
+        logprobs = functools.partial(
+            teacher_forced_logprobs,
+            self.graphdef,
+            temperature=config.loss.temperature,
+            num_micro_batches=config.num_micro_batches,
         )
+        self._logprobs = jax.jit(with_attention_mesh(mesh, logprobs))  # splash: per device
 
     # -- state -----------------------------------------------------------------------------
 
@@ -391,8 +387,7 @@ class Learner:
                 micro_sharding=micro,
                 param_shardings=self.param_shardings,
             )
-            # Splash attention (TPU) runs per device under shard_map on the mesh.
-            fn = with_attention_mesh(self.mesh, fn)
+            fn = with_attention_mesh(self.mesh, fn)  # splash attention: per device on the mesh
             if self.mesh is None:
                 self._steps[has_ref] = jax.jit(fn, donate_argnums=0)
             else:

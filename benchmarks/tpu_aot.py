@@ -8,7 +8,9 @@ devices of a TPU topology description), and each jitted program is lowered and c
 
 Per program: compile status, `memory_analysis()` (argument / output / temp bytes),
 `cost_analysis()` (flops, bytes accessed), and whether the executable holds a Mosaic kernel
-(`tpu_custom_call`). `decode_roofline` compares the paged decode kernel with the XLA path.
+(`tpu_custom_call`). `hidden_states_program` is the decoder's loss and gradient without the LM
+head, which isolates the teacher-forcing attention's temporaries (`ModelConfig.attention`).
+`decode_roofline` compares the paged decode kernel with the XLA path.
 """
 
 from __future__ import annotations
@@ -189,6 +191,23 @@ def learner_program(
     return compile_program(devices[0], learner._compiled_step(False), state, rl_batch, pass_index)
 
 
+def hidden_states_program(model_cfg: ModelConfig, device, *, batch=1, seq_len=4096) -> dict:
+    """Compile the loss + gradient of the decoder without its head (`sum(h^2)` of the final
+    hidden states, fp32 master weights, `model_cfg`'s compute dtype, remat and attention) for
+    one chip: the attention's and blocks' temporaries apart from the `[T, V]` logits."""
+    abstract = _abstract_model(model_cfg.replace(param_dtype="float32"))
+    graphdef, state = nnx.split(abstract)
+    one = SingleDeviceSharding(device)
+    params = _place(nnx.to_pure_dict(state), one)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=one)
+
+    def loss(p, tokens_bt):
+        h_btd = nnx.merge(graphdef, p).hidden_states(tokens_bt)
+        return jnp.sum(jnp.square(h_btd.astype(jnp.float32)))
+
+    return compile_program(device, jax.jit(jax.value_and_grad(loss)), params, tokens)
+
+
 # ---- kernels and the decode roofline -----------------------------------------------------------
 
 
@@ -323,6 +342,11 @@ def run_all(
         if "learner" in programs:
             res["learner"] = got = learner_program(cfg, lcfg, devices, batch=batch, seq_len=seq_len)
             log(f"{key} learner {_brief({'step': got})}")
+        if "hidden" in programs and n == 1:
+            got = hidden_states_program(cfg, devices[0], batch=batch, seq_len=seq_len)
+            res["hidden"] = got
+            temp = got.get("temp_bytes", 0) / GiB
+            log(f"{key} hidden {_brief({'loss+grad': got})} temp {temp:.2f} GiB")
     return results
 
 

@@ -62,9 +62,13 @@ class ModelSpec:
       arch: the architecture of a randomly initialised model (when `hf_dir` is null): a
         `ModelConfig` or a mapping of its fields, all of them without `preset`, any of them on
         top of it (`head_dim` is not re-derived). Always the resolved `ModelConfig` after init.
-        Its dtype/param_dtype/remat fields are taken from this section, not from `arch`.
+        Its dtype/param_dtype/remat/attention fields are taken from this section, not from
+        `arch`.
       dtype: compute dtype. param_dtype: storage dtype of the (master) parameters.
       remat: rematerialise blocks in the backward pass.
+      attention: teacher-forcing attention (`ModelConfig.attention`): auto (splash on TPU,
+        cuDNN on GPU, chunked elsewhere), dense (the `[T, T]` reference), chunked, cudnn, splash.
+      attention_block: the query/key block of the chunked path and splash (tokens).
       seed: initialisation seed of a random model.
     """
 
@@ -74,6 +78,8 @@ class ModelSpec:
     dtype: Literal["float32", "bfloat16"] = "bfloat16"
     param_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: bool = False
+    attention: Literal["auto", "dense", "chunked", "cudnn", "splash"] = "auto"
+    attention_block: int = 512
     seed: int = 0
 
     def __post_init__(self):
@@ -105,13 +111,15 @@ class ModelSpec:
 
     def model_config(self) -> ModelConfig:
         """The resolved architecture (reads `config.json` when `hf_dir` is set)."""
+        section = {"attention": self.attention, "attention_block": self.attention_block}
         if self.arch is not None:
             return self.arch.replace(
-                dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat
+                dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, **section
             )
-        return read_hf_config(
+        cfg = read_hf_config(
             self.hf_dir, dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat
         )
+        return cfg.replace(**section)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -1,17 +1,22 @@
-"""Whole programs compile for a TPU from a CPU host: the rollout engine's decode chunk with R-KV
-and the learner step, at a small model whose heads tile the TPU's lanes (2 KV heads of dim 64,
-as in Qwen2.5-0.5B), so the decode chunk holds the Mosaic kernels. Abstract inputs only
-(`benchmarks.tpu_aot`); the Qwen2.5-0.5B figures are `tools/bench_tpu_aot.py`'s (too slow here).
-Skipped without libtpu, failing instead when `SPARSERL_REQUIRE_TPU_AOT` is set (`make
-test-tpu-aot`), like tests/kernels/test_tpu_aot.py.
+"""Whole programs compile for a TPU from a CPU host: the rollout engine's decode chunk with R-KV,
+the learner step (splash attention, or the chunked XLA path) and a packed forward + backward, at
+a small model whose heads tile the TPU's lanes (2 KV heads of dim 64, as in Qwen2.5-0.5B), so
+the programs hold the Mosaic kernels. Abstract inputs only (`benchmarks.tpu_aot`); the
+Qwen2.5-0.5B figures are `tools/bench_tpu_aot.py`'s (too slow here). Skipped without libtpu,
+failing instead when `SPARSERL_REQUIRE_TPU_AOT` is set (`make test-tpu-aot`), like
+tests/kernels/test_tpu_aot.py.
 """
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
 from benchmarks import tpu_aot
-from sparserl_jax.models import model_preset
+from sparserl_jax.models import Transformer, model_preset
 from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.testing import tpu
 
@@ -58,6 +63,34 @@ def test_rkv_engine_compiles_on_a_4_chip_v5p_mesh(v5p):
 
 @pytest.mark.parametrize("chips", [1, 4])
 def test_learner_step_compiles_for_v5p(v5p, chips):
+    # Teacher forcing runs splash attention (auto on TPU): a Mosaic call, per chip under
+    # shard_map on the mesh (the learner traces under it), T = 64 padded to one 128 block.
     lcfg = LearnerConfig(num_micro_batches=2)
     got = tpu_aot.learner_program(SMALL, lcfg, v5p[:chips], batch=8, seq_len=64)
-    _check(got, mosaic=False)  # teacher forcing: dense XLA attention, no kernel
+    _check(got, mosaic=True)
+
+
+def test_learner_step_compiles_with_chunked_attention(v5p):
+    lcfg = LearnerConfig(num_micro_batches=2)
+    cfg = SMALL.replace(attention="chunked", attention_block=32)
+    got = tpu_aot.learner_program(cfg, lcfg, v5p[:1], batch=8, seq_len=80)
+    _check(got, mosaic=False)  # online softmax in XLA, no kernel
+
+
+@pytest.mark.parametrize("attention, mosaic", [("splash", True), ("chunked", False)])
+def test_packed_forward_backward_compiles_for_v5p(v5p, attention, mosaic):
+    # Packed segments (splash's segment ids) and T = 300, no multiple of the 128-lane blocks.
+    cfg = SMALL.replace(param_dtype="float32", attention=attention, attention_block=128)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    one = SingleDeviceSharding(v5p[0])
+    params = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one), nnx.to_pure_dict(state)
+    )
+    ints = jax.ShapeDtypeStruct((2, 300), jnp.int32, sharding=one)
+
+    def loss(p, tokens_bt, segment_ids_bt):
+        logits = nnx.merge(graphdef, p)(tokens_bt, segment_ids=segment_ids_bt)
+        return jnp.mean(jax.nn.logsumexp(logits, axis=-1))
+
+    got = tpu_aot.compile_program(v5p[0], jax.jit(jax.value_and_grad(loss)), params, ints, ints)
+    _check(got, mosaic=mosaic)

@@ -2,6 +2,8 @@
 
     python tools/bench_tpu_aot.py                      # Qwen2.5-0.5B, v5e / v5p / v6e + v5p mesh
     python tools/bench_tpu_aot.py --topologies v5p:2x2x1 --programs engine --policies rkv
+    python tools/bench_tpu_aot.py --topologies v5p:2x2x1 --mesh-topology '' \
+        --programs hidden --batch 1 --seq-len 16384 --attention dense   # attention temps alone
 
 Needs libtpu (`make test-tpu-aot` builds .venv-tpu). Prints one line per target, then the
 results as one JSON line. Logic: `benchmarks/tpu_aot.py`.
@@ -19,7 +21,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--topologies", nargs="*", default=list(tpu_aot.TOPOLOGIES))
     p.add_argument("--mesh-topology", default="v5p:2x2x1", help="'' for none")
-    p.add_argument("--programs", nargs="+", default=["kernels", "engine", "learner"])
+    p.add_argument(
+        "--programs", nargs="+", default=["kernels", "engine", "learner"], help="... or hidden"
+    )
     p.add_argument("--policies", nargs="+", default=list(tpu_aot.POLICIES))
     p.add_argument("--slots", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=256)
@@ -29,6 +33,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--attention", default="auto", help="ModelConfig.attention of the model")
+    p.add_argument("--no-remat", action="store_true")
     a = p.parse_args()
     import jax
 
@@ -47,6 +53,7 @@ def main() -> None:
         batch=a.batch,
         seq_len=a.seq_len,
         micro_batches=a.micro_batches,
+        model_cfg=tpu_aot.qwen_05b(remat=not a.no_remat).replace(attention=a.attention),
         log=lambda s: print(s, flush=True),
     )
     print(json.dumps(results))

@@ -8,6 +8,7 @@ from typing import Literal
 import jax.numpy as jnp
 
 DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION = ("auto", "dense", "chunked", "cudnn", "splash")
 RopeType = Literal["default", "llama3", "linear"]
 
 
@@ -74,6 +75,11 @@ class ModelConfig:
       param_dtype: dtype the parameters are stored in (fp32 master weights by default).
       dtype: compute dtype of matmuls (bf16 for speed, fp32 for tests); logits are fp32.
       remat: rematerialise each block in the backward pass.
+      attention: teacher-forcing attention (`models.attention.causal_attention`): "auto" (splash
+        on TPU, cuDNN on GPU, chunked elsewhere), "dense" (the `[T, T]` reference), "chunked"
+        (online softmax in XLA), "cudnn" or "splash"; a kernel that cannot take the shapes
+        falls back to chunked with one log line. Decoding never uses it.
+      attention_block: query/key block of the chunked path and splash (tokens).
       family: which Hugging Face architecture this came from / exports to.
     """
 
@@ -96,6 +102,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
+    attention: Literal["auto", "dense", "chunked", "cudnn", "splash"] = "auto"
+    attention_block: int = 512
     family: Literal["llama", "qwen2", "qwen3"] = "qwen2"
 
     def __post_init__(self):
@@ -119,6 +127,12 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
         if self.family not in ("llama", "qwen2", "qwen3"):
             raise ValueError(f"family {self.family!r} unknown; expected llama, qwen2 or qwen3")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention {self.attention!r} unknown; expected one of {ATTENTION}")
+        if not isinstance(self.attention_block, int) or self.attention_block <= 0:
+            raise ValueError(
+                f"attention_block must be a positive int, got {self.attention_block!r}"
+            )
         object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
 

@@ -17,9 +17,10 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from sparserl_jax.models.attention import causal_attention
 from sparserl_jax.models.cache import DecodeCache
 from sparserl_jax.models.config import ModelConfig
-from sparserl_jax.models.layers import RMSNorm, apply_rope, gqa_attention, param, rope_inv_freq
+from sparserl_jax.models.layers import RMSNorm, apply_rope, param, rope_inv_freq
 
 
 class Attention(nnx.Module):
@@ -115,10 +116,20 @@ class Block(nnx.Module):
         self,
         x_btd: Float[Array, "B T D"],
         positions_bt: Int[Array, "B T"],
-        mask_bts: Bool[Array, "B T T"],
+        segment_ids_bt: Int[Array, "B T"] | None,
     ) -> Float[Array, "B T D"]:
+        """Teacher forcing: causal attention within segments (`models.attention`)."""
+        cfg = self.attn.cfg
         q, k, v = self.attn.project(self.input_norm(x_btd), positions_bt)
-        o = gqa_attention(q, k, v, mask_bts)
+        o = causal_attention(
+            q,
+            k,
+            v,
+            segment_ids_bt,
+            impl=cfg.attention,
+            block_q=cfg.attention_block,
+            block_kv=cfg.attention_block,
+        )
         x_btd = x_btd + self.attn.output(o).astype(x_btd.dtype)
         return x_btd + self.mlp(self.post_attn_norm(x_btd)).astype(x_btd.dtype)
 
@@ -222,26 +233,22 @@ class Transformer(nnx.Module):
         positions_bt: Int[Array, "B T"] | None = None,
         segment_ids_bt: Int[Array, "B T"] | None = None,
     ) -> Float[Array, "B T D"]:
-        """Final-normed hidden states of a teacher-forced forward pass."""
+        """Final-normed hidden states of a teacher-forced forward pass. The attention is
+        `cfg.attention`'s (`models.attention.causal_attention`): only "dense" builds `[T, T]`."""
         b, t = tokens_bt.shape
-        causal_tt = jnp.tril(jnp.ones((t, t), dtype=bool))
-        if segment_ids_bt is None:
-            mask_btt = jnp.broadcast_to(causal_tt, (b, t, t))
-            if positions_bt is None:
+        if positions_bt is None:
+            if segment_ids_bt is None:
                 positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-        else:
-            same_btt = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
-            mask_btt = causal_tt[None] & same_btt
-            if positions_bt is None:
+            else:
                 positions_bt = segment_positions(segment_ids_bt)
         x = self.embed_tokens(tokens_bt)
         for layer in self.layers:
             if self.cfg.remat:
-                x = nnx.remat(lambda blk, x_, p_, m_: blk(x_, p_, m_))(
-                    layer, x, positions_bt, mask_btt
+                x = nnx.remat(lambda blk, x_, p_, s_: blk(x_, p_, s_))(
+                    layer, x, positions_bt, segment_ids_bt
                 )
             else:
-                x = layer(x, positions_bt, mask_btt)
+                x = layer(x, positions_bt, segment_ids_bt)
         return self.final_norm(x)
 
     def __call__(

@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
+from sparserl_jax.models.attention import with_attention_mesh
 from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.parallel import batch_sharding, state_shardings
 from sparserl_jax.rl.config import LearnerConfig, LossConfig
@@ -320,14 +321,13 @@ class Learner:
             self.state_shardings = LearnerState(
                 self.param_shardings, opt_shardings, gate_shardings, rep, rep, rep
             )
-        self._logprobs = jax.jit(
-            functools.partial(
-                teacher_forced_logprobs,
-                self.graphdef,
-                temperature=config.loss.temperature,
-                num_micro_batches=config.num_micro_batches,
-            )
+        logprobs = functools.partial(
+            teacher_forced_logprobs,
+            self.graphdef,
+            temperature=config.loss.temperature,
+            num_micro_batches=config.num_micro_batches,
         )
+        self._logprobs = jax.jit(with_attention_mesh(mesh, logprobs))  # splash: per device
 
     # -- state -----------------------------------------------------------------------------
 
@@ -387,6 +387,7 @@ class Learner:
                 micro_sharding=micro,
                 param_shardings=self.param_shardings,
             )
+            fn = with_attention_mesh(self.mesh, fn)  # splash attention: per device on the mesh
             if self.mesh is None:
                 self._steps[has_ref] = jax.jit(fn, donate_argnums=0)
             else:

@@ -199,6 +199,19 @@ class LMHead(nnx.Module):
         self.kernel = param(rngs, shape, ("embed", "vocab"), cfg.weight_dtype)
 
 
+def head_logits(
+    h_btd: Float[Array, "B T D"], w: jax.Array, *, tied: bool, dtype: jnp.dtype
+) -> Float[Array, "B T V"]:
+    """The LM head on hidden states: `h @ w^T` for a tied `w` (the embedding table `[V, D]`),
+    `h @ w` for an untied kernel `[D, V]`; operands in the compute `dtype`, accumulated and
+    returned in fp32. The one head projection: `Transformer.logits` and the chunked head of
+    `rollout.logprobs` both call it."""
+    h_btd = h_btd.astype(dtype)
+    if tied:
+        return jnp.einsum("btd,vd->btv", h_btd, w.astype(dtype), preferred_element_type=jnp.float32)
+    return jnp.einsum("btd,dv->btv", h_btd, w.astype(dtype), preferred_element_type=jnp.float32)
+
+
 class Transformer(nnx.Module):
     """The decoder. `model(tokens)` returns fp32 logits `[B, T, V]`."""
 
@@ -216,16 +229,18 @@ class Transformer(nnx.Module):
         check_token_ids(tokens_bt, self.cfg.vocab_size)
         return jnp.take(self.embed.embedding[...], tokens_bt, axis=0).astype(self.cfg.compute_dtype)
 
+    def head_weight(self) -> jax.Array:
+        """The output projection's parameter as stored: tied, the embedding table `[V, D]`;
+        untied, the LM head kernel `[D, V]` (see `head_logits`)."""
+        if self.cfg.tie_embeddings:
+            return self.embed.embedding[...]
+        return self.lm_head.kernel[...]
+
     def logits(self, h_btd: Float[Array, "B T D"]) -> Float[Array, "B T V"]:
         """The LM head (tied: `h @ E^T`), accumulated and returned in fp32."""
-        dt = self.cfg.compute_dtype
-        if self.cfg.tie_embeddings:
-            w_vd = self.embed.embedding[...].astype(dt)
-            return jnp.einsum(
-                "btd,vd->btv", h_btd.astype(dt), w_vd, preferred_element_type=jnp.float32
-            )
-        w_dv = self.lm_head.kernel[...].astype(dt)
-        return jnp.einsum("btd,dv->btv", h_btd.astype(dt), w_dv, preferred_element_type=jnp.float32)
+        return head_logits(
+            h_btd, self.head_weight(), tied=self.cfg.tie_embeddings, dtype=self.cfg.compute_dtype
+        )
 
     def hidden_states(
         self,
@@ -269,11 +284,14 @@ class Transformer(nnx.Module):
         tokens_bt: Int[Array, "B T"],
         cache: DecodeCache,
         token_mask_bt: Bool[Array, "B T"] | None = None,
-    ) -> tuple[Float[Array, "B T V"], DecodeCache]:
+        logits_at_bk: Int[Array, "B K"] | None = None,
+    ) -> tuple[Float[Array, "B K V"], DecodeCache]:
         """Run T new tokens per row through the cache (prefill when T > 1, a decode step when 1).
 
         `token_mask_bt` marks real tokens (left-aligned); padding is neither stored nor attended.
-        Returns logits for every new token and the updated cache.
+        Returns fp32 logits and the updated cache: for every new token (`[B, T, V]`) when
+        `logits_at_bk` is None, else only at those indices into the T new tokens of each row
+        (`[B, K, V]`; a prefill needs only each prompt's last token, not `[B, T, V]`).
         """
         if token_mask_bt is None:
             token_mask_bt = jnp.ones(tokens_bt.shape, dtype=bool)
@@ -285,4 +303,7 @@ class Transformer(nnx.Module):
             x = x + layer.attn.output(o).astype(x.dtype)
             x = x + layer.mlp(layer.post_attn_norm(x)).astype(x.dtype)
         cache = cache.end_step()
+        if logits_at_bk is not None:
+            # The final norm and the head are per position: gather first, project K positions.
+            x = jnp.take_along_axis(x, logits_at_bk[:, :, None], axis=1)
         return self.logits(self.final_norm(x)), cache

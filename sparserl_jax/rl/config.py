@@ -14,6 +14,7 @@ from sparserl_jax.rl.correction import SparseRLCorrectionConfig
 from sparserl_jax.rl.gating import DGGConfig
 from sparserl_jax.rl.losses import AGGREGATIONS, KL_ESTIMATORS, Aggregation, KLEstimator
 from sparserl_jax.rl.policy_losses import POLICY_LOSSES, PolicyLoss
+from sparserl_jax.rollout.logprobs import LOGITS_CHUNK_SIZE
 
 Schedule = Literal["constant", "linear", "cosine"]
 SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
@@ -206,6 +207,10 @@ class LearnerConfig:
     `num_micro_batches` splits each batch for gradient accumulation (the batch must divide by
     it times the number of data shards). The step is exact under accumulation: loss
     denominators and Sparse-RL weights are computed on the whole batch first.
+    `logits_chunk_size`: sequence positions per chunk of the LM head (`rollout.head_logprobs`)
+    in the loss and in pi_old / pi_ref: `[micro-batch, chunk, V]` fp32 logits at a time instead
+    of `[micro-batch, T, V]`, recomputed in the backward pass (a T - 1 not divisible by it pads
+    the last chunk). Results do not depend on it beyond float rounding.
     """
 
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
@@ -215,7 +220,10 @@ class LearnerConfig:
     gating: DGGConfig = dataclasses.field(default_factory=DGGConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     num_micro_batches: int = 1
+    logits_chunk_size: int = LOGITS_CHUNK_SIZE
 
     def __post_init__(self):
         if self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
+        if self.logits_chunk_size < 1:
+            raise ValueError(f"logits_chunk_size must be >= 1, got {self.logits_chunk_size}")

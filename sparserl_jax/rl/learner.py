@@ -33,7 +33,7 @@ from jaxtyping import Array, Bool, Float, Int
 from sparserl_jax.models.attention import with_attention_mesh
 from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.parallel import batch_sharding, state_shardings
-from sparserl_jax.rl.config import LearnerConfig, LossConfig
+from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rl.correction import sparse_rl_weights
 from sparserl_jax.rl.gating import (
     DGGState,
@@ -41,15 +41,13 @@ from sparserl_jax.rl.gating import (
     dynamic_gradient_gating,
     lm_head_grad_energy,
 )
-from sparserl_jax.rl.losses import (
-    LOG_RATIO_BOUND,
-    aggregation_weights,
-    entropy_from_logits,
-    kl_penalty,
-    shifted_token_logprobs,
-)
+from sparserl_jax.rl.losses import LOG_RATIO_BOUND, aggregation_weights, kl_penalty
 from sparserl_jax.rl.policy_losses import compute_policy_loss
-from sparserl_jax.rollout.logprobs import split_micro_batches, teacher_forced_logprobs
+from sparserl_jax.rollout.logprobs import (
+    head_logprobs,
+    split_micro_batches,
+    teacher_forced_logprobs,
+)
 
 
 class RLBatch(NamedTuple):
@@ -79,19 +77,23 @@ def _with_embedding(params: dict, embedding_vd: jax.Array) -> dict:
     return {**params, "embed": {**params["embed"], "embedding": embedding_vd}}
 
 
-def _forward_logits(graphdef, params, head_w, tokens_bt, tied):
+def _micro_loss(params, head_w, mb: dict, *, graphdef, config: LearnerConfig, tied: bool):
+    loss_cfg = config.loss
     model = nnx.merge(graphdef, params)
-    h_btd = model.hidden_states(tokens_bt)
+    h_btd = model.hidden_states(mb["tokens"])
     # Tied: the head reads its own copy of the shared matrix so that its gradient (the output
     # projection's part, which DGG monitors) comes out separately; the learner adds it back.
-    head = nnx.merge(graphdef, _with_embedding(params, head_w)) if tied else model
-    return head.logits(h_btd)
-
-
-def _micro_loss(params, head_w, mb: dict, *, graphdef, loss_cfg: LossConfig, tied: bool):
-    logits_btv = _forward_logits(graphdef, params, head_w, mb["tokens"], tied)
-    temp = loss_cfg.temperature
-    logp_bt = shifted_token_logprobs(logits_btv, mb["tokens"], temperature=temp)
+    # The head runs chunk by chunk inside `head_logprobs`: no [B, T, V] logits, either pass.
+    logp_bt, ent_bt = head_logprobs(
+        model.cfg,
+        head_w if tied else model.head_weight(),
+        h_btd,
+        mb["tokens"],
+        temperature=loss_cfg.temperature,
+        chunk_size=config.logits_chunk_size,
+        entropy=True,
+        entropy_grad=loss_cfg.entropy_coef > 0,
+    )
     old_bt = mb["old_logp"]
     pg_bt, clip_bt = compute_policy_loss(
         logp_bt,
@@ -105,7 +107,6 @@ def _micro_loss(params, head_w, mb: dict, *, graphdef, loss_cfg: LossConfig, tie
     )
     pg_loss = jnp.sum(mb["pg_coef"] * pg_bt)
     loss = pg_loss
-    ent_bt = jnp.pad(entropy_from_logits(logits_btv[:, :-1], temperature=temp), ((0, 0), (1, 0)))
     tok_w = mb["tok_w"]
     kl = jnp.zeros((), jnp.float32)
     if "ref_logp" in mb:
@@ -178,7 +179,7 @@ def train_step(
     params = state.params
     head_w = params["embed"]["embedding"] if tied else None
     grad_fn = jax.value_and_grad(
-        functools.partial(_micro_loss, graphdef=graphdef, loss_cfg=lcfg, tied=tied),
+        functools.partial(_micro_loss, graphdef=graphdef, config=config, tied=tied),
         argnums=(0, 1),
         has_aux=True,
     )
@@ -326,6 +327,7 @@ class Learner:
             self.graphdef,
             temperature=config.loss.temperature,
             num_micro_batches=config.num_micro_batches,
+            chunk_size=config.logits_chunk_size,
         )
         self._logprobs = jax.jit(with_attention_mesh(mesh, logprobs))  # splash: per device
 

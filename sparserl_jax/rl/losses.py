@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
-# The logprob contract (`log softmax(logits / T)` at each token) has one home, next to the
-# sampler that records it.
+# The logprob contract (`log softmax(logits / T)` at each token) and the entropy have one home,
+# next to the sampler that records it (the chunked LM head of `rollout.logprobs` uses both).
+from sparserl_jax.rollout.sampling import entropy_from_logits as entropy_from_logits
 from sparserl_jax.rollout.sampling import shifted_token_logprobs as shifted_token_logprobs
 from sparserl_jax.rollout.sampling import token_logprobs as token_logprobs
 
@@ -25,16 +25,6 @@ KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
 
 # exp() of a log-ratio beyond this overflows fp32 products; verl and slime use the same bound.
 LOG_RATIO_BOUND = 20.0
-
-
-def entropy_from_logits(
-    logits_btv: Float[Array, "B T V"], *, temperature: float = 1.0
-) -> Float[Array, "B T"]:
-    """Entropy `H = -sum_v p_v log p_v` of `softmax(logits / T)`, computed as
-    `logsumexp(z) - sum_v p_v z_v` (stable for large logits)."""
-    z_btv = logits_btv.astype(jnp.float32) / temperature
-    p_btv = jax.nn.softmax(z_btv, axis=-1)
-    return jax.nn.logsumexp(z_btv, axis=-1) - jnp.sum(p_btv * z_btv, axis=-1)
 
 
 def _per_token(advantages: Float[Array, " B"] | Float[Array, "B T"], shape) -> Float[Array, "B T"]:

@@ -7,8 +7,8 @@ Device side, two jitted programs, traced once per engine (shapes are fixed by th
 cache and the decode state are donated, the weights are an argument, so new weights never
 recompile):
 - `prefill`: the prompts of the slots being filled, padded to `max_prompt_len`, go through
-  `model.decode` in one call (other slots are masked out and untouched); the logits of each
-  prompt's last token are kept for the first sample.
+  `model.decode` in one call (other slots are masked out and untouched); only the logits of
+  each prompt's last token are computed, and kept for the first sample.
 - `chunk`: a `lax.while_loop` of up to `chunk_steps` decode steps, stopping early when every slot
   is idle. A step samples one token per live slot from its kept logits (per-request keys, so a
   request's tokens do not depend on its slot), records token and logprob, ends the slot on a stop
@@ -100,9 +100,11 @@ class RolloutEngine:
         )
         p = tokens_sp.shape[1]
         mask_sp = (jnp.arange(p, dtype=jnp.int32)[None, :] < lens_s[:, None]) & fill_s[:, None]
-        logits_spv, cache = model.decode(tokens_sp, cache, mask_sp)
+        # Only each prompt's last token's logits are needed (never [S, P, V]): the KV policies'
+        # window scoring reads the queries the cache records, not logits.
         last_s = jnp.maximum(lens_s - 1, 0)
-        last_sv = jnp.take_along_axis(logits_spv, last_s[:, None, None], axis=1)[:, 0]
+        logits_s1v, cache = model.decode(tokens_sp, cache, mask_sp, last_s[:, None])
+        last_sv = logits_s1v[:, 0]
         zero_s = jnp.zeros_like(slots.generated_s)
         slots = SlotState(
             logits_sv=jnp.where(fill_s[:, None], last_sv.astype(jnp.float32), slots.logits_sv),

@@ -26,6 +26,16 @@ def token_logprobs(
     return jnp.take_along_axis(logp_btv, tokens_bt[..., None], axis=-1)[..., 0]
 
 
+def entropy_from_logits(
+    logits_btv: Float[Array, "B T V"], *, temperature: float = 1.0
+) -> Float[Array, "B T"]:
+    """Entropy `H = -sum_v p_v log p_v` of `softmax(logits / T)`, computed as
+    `logsumexp(z) - sum_v p_v z_v` (stable for large logits)."""
+    z_btv = logits_btv.astype(jnp.float32) / temperature
+    p_btv = jax.nn.softmax(z_btv, axis=-1)
+    return jax.nn.logsumexp(z_btv, axis=-1) - jnp.sum(p_btv * z_btv, axis=-1)
+
+
 def shifted_token_logprobs(
     logits_btv: Float[Array, "B T V"], tokens_bt: Int[Array, "B T"], *, temperature: float = 1.0
 ) -> Float[Array, "B T"]:

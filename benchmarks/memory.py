@@ -26,8 +26,11 @@ stays off (executables compiled for a topology without a client cannot be read b
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import math
+import os
+import re
 import subprocess
 import sys
 import time
@@ -35,10 +38,14 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
 
+from benchmarks import rollout as rollout_bench
 from benchmarks import tpu_aot
 from sparserl_jax.config import Config, ModelSpec, load_config
-from sparserl_jax.models import ModelConfig
+from sparserl_jax.models import MODEL_PRESETS, ModelConfig
 
 # Checkpoint shapes of issue 15 (registry names), the default sweep's subsets, and the lengths.
 PRESETS = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.2-1b")
@@ -68,7 +75,7 @@ def route_override(item: str) -> str:
 def config_for(spec: dict[str, Any]) -> Config:
     """The `Config` of one spec: its preset, dtypes, remat and shape, then its `sets`."""
     base = [f"model.preset={spec['preset']}", "model.dtype=bfloat16"]
-    if spec["kind"] == "learner":
+    if spec["kind"] in ("learner", "tunix"):
         base += ["model.param_dtype=float32", f"model.remat={str(spec['remat']).lower()}"]
     else:  # the sampler holds bf16 weights
         base += ["model.param_dtype=bfloat16"]
@@ -104,11 +111,21 @@ def per_chip_bytes(tree) -> int:
     return total
 
 
+_OOM = re.compile(r"Ran out of memory in memory space hbm|Ran out of memory on HBM")
+_OOM_TEMP = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
 def _finish(row: dict, got: dict) -> dict:
     row["ok"] = got["ok"]
     row["compile_s"] = got["compile_s"]
     if not got["ok"]:
         row["error"] = got["error"]
+        if _OOM.search(got["error"]):
+            # The TPU compiler refuses a program larger than the chip's HBM (v5p: 95 GiB):
+            # it fits neither chip; the temporaries it names are kept when it names them.
+            row.update(oom=True, fits_v5p=False, fits_h100=False)
+            if m := _OOM_TEMP.search(got["error"]):
+                row["temp_bytes"] = int(float(m[1]) * 1024 ** ("KMGT".index(m[2]) + 1))
         return row
     for k in ("argument_bytes", "output_bytes", "alias_bytes", "temp_bytes"):
         row[k] = got[k]
@@ -130,6 +147,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         model_cfg = cfg.model.model_config()
         if spec["kind"] == "learner":
             return _measure_learner(row, cfg, model_cfg, devices)
+        if spec["kind"] == "tunix":
+            return _measure_tunix(row, model_cfg, devices)
         return _measure_engine(row, cfg, model_cfg, devices)
     except Exception as e:  # a config the tool cannot build is a finding, reported per row
         row.update(ok=False, error=f"{type(e).__name__}: {str(e)[:2000]}")
@@ -164,6 +183,73 @@ def _measure_engine(row: dict, cfg: Config, model_cfg: ModelConfig, devices: lis
     return _finish(row, tpu_aot.compile_program(devices[0], fn, *args))
 
 
+# ---- the peer: tunix's GRPO loss on tunix's Qwen2 ---------------------------------------------
+
+TUNIX_PROMPT = 256  # tunix splits a sequence into prompt + completion; T is their sum
+
+
+def _measure_tunix(row: dict, model_cfg: ModelConfig, devices: list) -> dict:
+    """tunix's (google-tunix, `.venv-bench`) GRPO step at the same shapes on one chip:
+    `value_and_grad` of its registered `grpo_loss_fn` (logits of the whole sequence, then
+    `selective_log_softmax`) over its Qwen2 (bf16 compute, fp32 params, decoder remat or none)
+    and an AdamW update, state donated: the work of its trainer's step. One chip only: its
+    activation sharding constraints are skipped when the host's default backend is the CPU."""
+    import optax
+    from tunix.models.qwen2 import model as tq
+    from tunix.rl import algo_core, common
+    from tunix.rl.grpo.grpo_learner import GRPOConfig
+
+    if len(devices) != 1:
+        raise ValueError("the tunix peer compiles for one chip only")
+    remat = tq.RematConfig.DECODER if row["remat"] else tq.RematConfig.NONE
+    tcfg = rollout_bench.tunix_config(
+        model_cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat_config=remat
+    )
+    graphdef, params, rest = nnx.split(
+        nnx.eval_shape(lambda: tq.Qwen2(tcfg, rngs=nnx.Rngs(0))), nnx.Param, ...
+    )
+    algo = GRPOConfig(beta=0.0)  # no reference model, as ours (kl_coef 0)
+    algo.temperature = 1.0
+    tx = optax.adamw(1e-6, b1=0.9, b2=0.98, weight_decay=0.1)
+
+    def step(params, opt_state, example):
+        def loss(p):
+            model = nnx.merge(graphdef, p, rest)
+            return algo_core.grpo_loss_fn(model, example, algo, pad_id=0, eos_id=1)
+
+        (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    b, p = row["micro_batch"], TUNIX_PROMPT
+    c = row["seq_len"] - p
+
+    def sds(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    example = common.TrainExample(
+        prompt_ids=sds((b, p), jnp.int32),
+        prompt_mask=sds((b, p), jnp.int32),
+        completion_ids=sds((b, c), jnp.int32),
+        completion_mask=sds((b, c), jnp.int32),
+        advantages=sds((b,), jnp.float32),
+        ref_per_token_logps=None,
+        old_per_token_logps=sds((b, c), jnp.float32),
+    )
+    one = SingleDeviceSharding(devices[0])
+    params, example = tpu_aot._place((params, example), one)
+    opt_state = tpu_aot._place(jax.eval_shape(tx.init, params), one)
+    row["batch"] = b
+    row["params_bytes"] = per_chip_bytes(params)
+    row["opt_state_bytes"] = per_chip_bytes(opt_state)
+    fn = jax.jit(step, donate_argnums=(0, 1))
+    return _finish(row, tpu_aot.compile_program(devices[0], fn, params, opt_state, example))
+
+
+def tunix_available() -> bool:
+    return importlib.util.find_spec("tunix") is not None
+
+
 # ---- specs and sweeps --------------------------------------------------------------------------
 
 
@@ -174,9 +260,11 @@ def learner_specs(
     remats: Sequence[bool],
     chips: Sequence[int],
     sets: Sequence[str] = (),
+    kind: str = "learner",
 ) -> list[dict]:
+    """Learner-step specs (`kind="tunix"`: the peer's step at the same shapes)."""
     return [
-        dict(kind="learner", preset=p, chips=c, seq_len=t, micro_batch=m, remat=r, sets=list(sets))
+        dict(kind=kind, preset=p, chips=c, seq_len=t, micro_batch=m, remat=r, sets=list(sets))
         for p in presets
         for c in chips
         for r in remats
@@ -232,9 +320,11 @@ def sweep(
 
 def _in_subprocess(spec: dict, timeout_s: float | None) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.memory", json.dumps(spec)]
+    # Compiles only: no worker owns a TPU, so one may load libtpu beside another process.
+    env = {"ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_WORKER_HOSTNAMES": "localhost", **os.environ}
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return {**spec, "ok": False, "error": f"timed out after {timeout_s} s"}
     lines = proc.stdout.strip().splitlines()
@@ -255,9 +345,9 @@ def _gib(n: int | None) -> str:
 def describe(row: dict) -> str:
     """One line: the shape, then params / optimizer state (or KV pool) / temporaries / total
     per chip in GiB and whether it fits."""
-    if row["kind"] == "learner":
+    if row["kind"] in ("learner", "tunix"):
         what = (
-            f"learner {row['preset']} {row['chips']}chip T={row['seq_len']} "
+            f"{row['kind']} {row['preset']} {row['chips']}chip T={row['seq_len']} "
             f"mb={row['micro_batch']} remat={'on' if row['remat'] else 'off'}"
         )
         held = f"params {_gib(row.get('params_bytes'))} opt {_gib(row.get('opt_state_bytes'))}"
@@ -280,16 +370,26 @@ def describe(row: dict) -> str:
 
 
 def longest_fitting(rows: Sequence[dict]) -> list[dict]:
-    """Per learner setting (preset, chips, micro-batch, remat, sets): the longest compiled
+    """Per learner setting (ours or the peer's; preset, chips, micro-batch, remat, sets): the
+    longest compiled
     sequence length whose step fits one chip of each kind (None: none of them fits)."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["kind"] == "learner" and r.get("ok"):
-            key = (r["preset"], r["chips"], r["micro_batch"], r["remat"], tuple(r["sets"]))
+        if r["kind"] in ("learner", "tunix") and r.get("ok"):
+            key = (
+                r["kind"],
+                r["preset"],
+                r["chips"],
+                r["micro_batch"],
+                r["remat"],
+                tuple(r["sets"]),
+            )
             groups.setdefault(key, []).append(r)
     out = []
-    for (preset, chips, mb, remat, sets), rs in groups.items():
-        entry = dict(preset=preset, chips=chips, micro_batch=mb, remat=remat, sets=list(sets))
+    for (kind, preset, chips, mb, remat, sets), rs in groups.items():
+        entry = dict(
+            kind=kind, preset=preset, chips=chips, micro_batch=mb, remat=remat, sets=list(sets)
+        )
         entry["compiled"] = sorted(r["seq_len"] for r in rs)
         for hw in HBM:
             fit = [r["seq_len"] for r in rs if r[f"fits_{hw}"]]

@@ -54,6 +54,13 @@ def main() -> None:
     p.add_argument("--remat", nargs="+", choices=["on", "off"], help="default on")
     p.add_argument("--chips", nargs="+", type=int, choices=sorted(memory.TOPOLOGY))
     p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--peer",
+        choices=["tunix", "none"],
+        default="tunix" if memory.tunix_available() else "none",
+        help="tunix's GRPO step at the same shapes, one chip, qwen2 presets (default: tunix "
+        "when installed)",
+    )
     p.add_argument("--no-learner", action="store_true")
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--engine-presets", nargs="+", choices=memory.PRESETS)
@@ -83,8 +90,12 @@ def main() -> None:
             chips = a.chips or ([1, 4, 8] if a.full else [1])
             specs += memory.learner_specs(presets, chips=chips, **grid)
         else:
+            presets = [DEFAULT_LEARNER[0][0]]
             for preset, chips in DEFAULT_LEARNER:
                 specs += memory.learner_specs([preset], chips=[chips], **grid)
+        if a.peer == "tunix":
+            qwen2 = [p_ for p_ in presets if memory.MODEL_PRESETS[p_].family == "qwen2"]
+            specs += memory.learner_specs(qwen2, chips=[1], kind="tunix", **grid)
     if not a.no_engine:
         specs += memory.engine_specs(
             a.engine_presets or (list(memory.PRESETS) if a.full else ["qwen2.5-7b"]),

@@ -45,7 +45,7 @@ from jax.sharding import SingleDeviceSharding
 from benchmarks import rollout as rollout_bench
 from benchmarks import tpu_aot
 from sparserl_jax.config import Config, ModelSpec, load_config
-from sparserl_jax.models import MODEL_PRESETS, ModelConfig
+from sparserl_jax.models import ModelConfig
 
 # Checkpoint shapes of issue 15 (registry names), the default sweep's subsets, and the lengths.
 PRESETS = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.2-1b")

@@ -37,6 +37,7 @@ import json
 
 from benchmarks import memory
 from sparserl_jax.config import ConfigError
+from sparserl_jax.models import MODEL_PRESETS
 
 DEFAULT_LEARNER = (("qwen2.5-0.5b", 1), ("qwen2.5-7b", 8))
 
@@ -94,7 +95,7 @@ def main() -> None:
             for preset, chips in DEFAULT_LEARNER:
                 specs += memory.learner_specs([preset], chips=[chips], **grid)
         if a.peer == "tunix":
-            qwen2 = [p_ for p_ in presets if memory.MODEL_PRESETS[p_].family == "qwen2"]
+            qwen2 = [p_ for p_ in presets if MODEL_PRESETS[p_].family == "qwen2"]
             specs += memory.learner_specs(qwen2, chips=[1], kind="tunix", **grid)
     if not a.no_engine:
         specs += memory.engine_specs(

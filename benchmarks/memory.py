@@ -9,7 +9,7 @@ mesh; `measure(spec)` compiles it ahead of time for a TPU topology from this CPU
 - `temp_bytes`: XLA's `memory_analysis()` temporaries per chip (activations, logits, gradients
   before they land in the donated state);
 - `total_bytes`: arguments + outputs that alias no donated argument + temporaries, per chip
-  (`tpu_aot.total_bytes`), and whether that fits one v5p chip (95 GB) and one H100 (80 GB;
+  (`tpu_aot.total_bytes`), and whether that fits one v5p chip (95 GiB) and one H100 (80 GiB;
   the same bytes, as compiled for the TPU: a GPU build lays memory out differently).
 
 Configs go through the project's own config machinery (`sparserl_jax.config.load_config`): a
@@ -52,9 +52,10 @@ PRESETS = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.2
 SEQ_LENS = (4096, 16384, 32768)
 # The smallest v5p topology holding this many chips (the first `chips` devices are used).
 TOPOLOGY = {1: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4"}
-# Per-chip HBM, decimal as the vendors state it: v5p 95 GB, H100 80 GB.
-HBM = {"v5p": 95e9, "h100": 80e9}
 GiB = 2**30
+# Per-chip HBM in GiB: v5p 95 (the TPU compiler's own limit is 95.74 GiB; it refuses larger
+# programs), H100 80.
+HBM = {"v5p": 95 * GiB, "h100": 80 * GiB}
 
 
 # ---- configs -----------------------------------------------------------------------------------

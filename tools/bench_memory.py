@@ -1,31 +1,34 @@
 """Per-chip memory of the learner step and the rollout engine at real checkpoint shapes, compiled
 ahead of time for TPU v5p from this CPU host (needs libtpu: `make test-tpu-aot` builds .venv-tpu).
 
-    python tools/bench_memory.py                      # the default sweep (below), ~15 compiles
+    python tools/bench_memory.py                      # the default sweep (below), 13 compiles
     python tools/bench_memory.py --full               # every preset x length x mb x remat x mesh
     python tools/bench_memory.py --presets qwen2.5-7b --chips 8 --seq-lens 32768 --no-engine
     python tools/bench_memory.py --presets qwen2.5-0.5b --seq-lens 4096 --no-engine \\
-        --set learner.num_micro_batches=2 --set model.remat=true
+        --set learner.num_micro_batches=2 --set learner.loss.entropy_coef=0.01
 
 Default sweep: the learner step of Qwen2.5-0.5B on one chip at T = 4096 / 16384 / 32768
-(micro-batch 1, remat on), of Qwen2.5-7B on 8 chips (fsdp) at the same lengths, and the rollout
-engine's decode chunk and prefill at Qwen2.5-7B shapes on one chip (256 slots of 4096 tokens,
-512 of them prompt), dense and R-KV with budget 512. `--full`: all five presets (qwen2.5-0.5b,
-qwen3-0.6b, qwen2.5-1.5b, qwen2.5-7b, llama3.2-1b) x the three lengths x micro-batch 1 and 4 x
-remat on and off x 1, 4 and 8 chips, and the engine at every preset (hours of compiling here).
+(micro-batch 1, remat on), of Qwen2.5-7B on 8 chips (fsdp) at the same lengths, tunix's GRPO
+step for Qwen2.5-0.5B at the same shapes (`--peer tunix`, the default when google-tunix is
+installed: `make bench-venv`), and the rollout engine's decode chunk and prefill at Qwen2.5-7B
+shapes on one chip (256 slots of 4096 tokens, 512 of them prompt), dense and R-KV budget 512.
+`--full`: all five presets (qwen2.5-0.5b, qwen3-0.6b, qwen2.5-1.5b, qwen2.5-7b, llama3.2-1b) x
+the three lengths x micro-batch 1 and 4 x remat on and off x 1, 4 and 8 chips, and the engine
+at every preset (hours of compiling on a small host).
 
 Learner: bf16 compute over fp32 master weights with AdamW state; `--micro-batches` is rows per
 chip per micro-batch (the step's batch is that x learner.num_micro_batches x chips). Engine: bf16
-weights, one chip (its paged cache and slot state are replicated on a mesh, so more chips do
-not lower the pool's bytes per chip).
+weights, one chip: its decode chunk's Mosaic kernels are not partitioned over a mesh yet (the
+compile fails there), and its page pool is replicated on a mesh anyway.
 
 `--set KEY=VALUE` (repeatable) overrides any key of the config schema (sparserl_jax/config.py),
-on every config of the sweep: `--set learner.num_micro_batches=2`, `--set model.remat=true`,
-`--set rollout.page_size=32`; `model.X` for an architecture field X goes to `model.arch.X`.
-A row whose config does not validate or whose compile fails says why and the sweep goes on.
+on every config of the sweep: `--set learner.num_micro_batches=2`, `--set rollout.page_size=32`,
+`--set learner.logits_chunk_size=1024` once such a key exists; `model.X` for an architecture
+field X goes to `model.arch.X`. An unknown key stops the tool before any compile, naming it; a
+compile that fails (or overflows the chip) is a row that says why, and the sweep goes on.
 
 Prints one line per config (params, optimizer state or KV pool, temporaries, total per chip in
-GiB; fits 95 GB v5p / 80 GB H100), then one JSON line: {"rows": [...], "longest": [...]}
+GiB; fits 95 GiB v5p / 80 GiB H100), then one JSON line: {"rows": [...], "longest": [...]}
 (`longest`: per learner setting, the longest compiled length that fits one chip of each kind).
 Each config compiles in a fresh subprocess (`--in-process` to not). Logic: benchmarks/memory.py.
 """

@@ -38,12 +38,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
-from benchmarks import rollout as rollout_bench
-from benchmarks import tpu_aot
+from benchmarks import memory_tunix, tpu_aot
 from sparserl_jax.config import Config, ModelSpec, load_config
 from sparserl_jax.models import ModelConfig
 
@@ -184,66 +180,18 @@ def _measure_engine(row: dict, cfg: Config, model_cfg: ModelConfig, devices: lis
     return _finish(row, tpu_aot.compile_program(devices[0], fn, *args))
 
 
-# ---- the peer: tunix's GRPO loss on tunix's Qwen2 ---------------------------------------------
-
-TUNIX_PROMPT = 256  # tunix splits a sequence into prompt + completion; T is their sum
+# ---- the peer ---------------------------------------------------------------------------------
 
 
 def _measure_tunix(row: dict, model_cfg: ModelConfig, devices: list) -> dict:
-    """tunix's (google-tunix, `.venv-bench`) GRPO step at the same shapes on one chip:
-    `value_and_grad` of its registered `grpo_loss_fn` (logits of the whole sequence, then
-    `selective_log_softmax`) over its Qwen2 (bf16 compute, fp32 params, decoder remat or none)
-    and an AdamW update, state donated: the work of its trainer's step. One chip only: its
-    activation sharding constraints are skipped when the host's default backend is the CPU."""
-    import optax
-    from tunix.models.qwen2 import model as tq
-    from tunix.rl import algo_core, common
-    from tunix.rl.grpo.grpo_learner import GRPOConfig
-
     if len(devices) != 1:
-        raise ValueError("the tunix peer compiles for one chip only")
-    remat = tq.RematConfig.DECODER if row["remat"] else tq.RematConfig.NONE
-    tcfg = rollout_bench.tunix_config(
-        model_cfg, dtype=jnp.bfloat16, param_dtype=jnp.float32, remat_config=remat
+        raise ValueError("the tunix peer compiles for one chip only (see benchmarks.memory_tunix)")
+    fn, params, opt_state, example = memory_tunix.grpo_step(
+        model_cfg, devices[0], seq_len=row["seq_len"], batch=row["micro_batch"], remat=row["remat"]
     )
-    graphdef, params, rest = nnx.split(
-        nnx.eval_shape(lambda: tq.Qwen2(tcfg, rngs=nnx.Rngs(0))), nnx.Param, ...
-    )
-    algo = GRPOConfig(beta=0.0)  # no reference model, as ours (kl_coef 0)
-    algo.temperature = 1.0
-    tx = optax.adamw(1e-6, b1=0.9, b2=0.98, weight_decay=0.1)
-
-    def step(params, opt_state, example):
-        def loss(p):
-            model = nnx.merge(graphdef, p, rest)
-            return algo_core.grpo_loss_fn(model, example, algo, pad_id=0, eos_id=1)
-
-        (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, value
-
-    b, p = row["micro_batch"], TUNIX_PROMPT
-    c = row["seq_len"] - p
-
-    def sds(shape, dtype):
-        return jax.ShapeDtypeStruct(shape, dtype)
-
-    example = common.TrainExample(
-        prompt_ids=sds((b, p), jnp.int32),
-        prompt_mask=sds((b, p), jnp.int32),
-        completion_ids=sds((b, c), jnp.int32),
-        completion_mask=sds((b, c), jnp.int32),
-        advantages=sds((b,), jnp.float32),
-        ref_per_token_logps=None,
-        old_per_token_logps=sds((b, c), jnp.float32),
-    )
-    one = SingleDeviceSharding(devices[0])
-    params, example = tpu_aot._place((params, example), one)
-    opt_state = tpu_aot._place(jax.eval_shape(tx.init, params), one)
-    row["batch"] = b
+    row["batch"] = row["micro_batch"]
     row["params_bytes"] = per_chip_bytes(params)
     row["opt_state_bytes"] = per_chip_bytes(opt_state)
-    fn = jax.jit(step, donate_argnums=(0, 1))
     return _finish(row, tpu_aot.compile_program(devices[0], fn, params, opt_state, example))
 
 
@@ -372,11 +320,11 @@ def describe(row: dict) -> str:
 
 def longest_fitting(rows: Sequence[dict]) -> list[dict]:
     """Per learner setting (ours or the peer's; preset, chips, micro-batch, remat, sets): the
-    longest compiled
-    sequence length whose step fits one chip of each kind (None: none of them fits)."""
+    longest compiled sequence length whose step fits one chip of each kind (None: none fits).
+    A compile the TPU compiler refused for overflowing the chip counts as not fitting."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["kind"] in ("learner", "tunix") and r.get("ok"):
+        if r["kind"] in ("learner", "tunix") and (r.get("ok") or r.get("oom")):
             key = (
                 r["kind"],
                 r["preset"],
@@ -397,6 +345,54 @@ def longest_fitting(rows: Sequence[dict]) -> list[dict]:
             entry[f"longest_{hw}"] = max(fit) if fit else None
         out.append(entry)
     return out
+
+
+def markdown(rows: Sequence[dict], longest: Sequence[dict]) -> str:
+    """The rows and the longest fitting lengths as two markdown tables (GiB per chip)."""
+
+    def yn(r, hw):
+        return "-" if f"fits_{hw}" not in r else ("yes" if r[f"fits_{hw}"] else "**no**")
+
+    out = [
+        "| program | preset | chips | shape | params | opt state / KV pool | temp | total "
+        "| fits v5p | fits H100 |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["kind"] == "engine":
+            pol = "dense" if r["policy"] == "none" else f"{r['policy']} {r['budget']}"
+            prog, shape = f"engine {r['program']}", f"{r['slots']} slots x {r['max_len']}, {pol}"
+            held = r.get("kv_cache_bytes")
+        else:
+            prog = "learner" if r["kind"] == "learner" else "tunix GRPO"
+            remat = "remat" if r["remat"] else "no remat"
+            shape = f"T={r['seq_len']}, mb {r['micro_batch']}, {remat}"
+            held = r.get("opt_state_bytes")
+        if r.get("sets"):
+            shape += ", " + ", ".join(r["sets"])
+        temp = _gib(r.get("temp_bytes"))
+        if r.get("oom"):
+            temp = f"{temp} (compiler: over HBM)" if "temp_bytes" in r else "over HBM"
+        elif not r.get("ok"):
+            temp = f"failed: {r.get('error', '')[:80]}"
+        out.append(
+            f"| {prog} | {r['preset']} | {r['chips']} | {shape} | {_gib(r.get('params_bytes'))} "
+            f"| {_gib(held)} | {temp} | {_gib(r.get('total_bytes'))} | {yn(r, 'v5p')} "
+            f"| {yn(r, 'h100')} |"
+        )
+    out += [
+        "",
+        "| step | preset | chips | mb | remat | lengths compiled | longest on v5p | on H100 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for g in longest:
+        out.append(
+            f"| {'ours' if g['kind'] == 'learner' else 'tunix'} | {g['preset']} | {g['chips']} "
+            f"| {g['micro_batch']} | {'on' if g['remat'] else 'off'} "
+            f"| {', '.join(map(str, g['compiled']))} | {g['longest_v5p'] or 'none'} "
+            f"| {g['longest_h100'] or 'none'} |"
+        )
+    return "\n".join(out)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -88,7 +88,7 @@ def test_longest_fitting_length_per_setting():
     rows = [
         row("learner", 4096, True, True),
         row("learner", 16384, True, False),
-        row("learner", 32768, False, False),
+        {**row("learner", 32768, False, False), "ok": False, "oom": True},
         row("tunix", 4096, False, False),
         row("learner", 4096, True, True, remat=False),
         {**row("learner", 8192, True, True), "ok": False},  # failed rows are not evidence
@@ -101,6 +101,10 @@ def test_longest_fitting_length_per_setting():
     )
     assert got["tunix", True]["longest_v5p"] is None
     assert got["learner", False]["longest_v5p"] == 4096
+    table = memory.markdown(rows, memory.longest_fitting(rows))
+    assert "| learner | test-tiny | 1 | T=32768, mb 1, remat | - | - | over HBM |" in table
+    assert "| ours | test-tiny | 1 | 1 | on | 4096, 16384, 32768 | 16384 | 4096 |" in table
+    assert "| tunix | test-tiny | 1 | 1 | on | 4096 | none | none |" in table
 
 
 @pytest.mark.slow

@@ -29,7 +29,8 @@ compile that fails (or overflows the chip) is a row that says why, and the sweep
 
 Prints one line per config (params, optimizer state or KV pool, temporaries, total per chip in
 GiB; fits 95 GiB v5p / 80 GiB H100), then one JSON line: {"rows": [...], "longest": [...]}
-(`longest`: per learner setting, the longest compiled length that fits one chip of each kind).
+(`longest`: per learner setting, the longest compiled length that fits one chip of each kind);
+`--markdown` prints both as the tables of docs/benchmarks.md before the JSON line.
 Each config compiles in a fresh subprocess (`--in-process` to not). Logic: benchmarks/memory.py.
 """
 
@@ -76,6 +77,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=512)
     p.add_argument("--timeout", type=float, default=None, help="seconds per config")
     p.add_argument("--in-process", action="store_true", help="no subprocess per config")
+    p.add_argument("--markdown", action="store_true", help="also print docs/benchmarks.md tables")
     a = p.parse_args()
     for s in a.sets:
         if "=" not in s:
@@ -122,7 +124,10 @@ def main() -> None:
         timeout_s=a.timeout,
         log=lambda s: print(s, flush=True),
     )
-    print(json.dumps({"rows": rows, "longest": memory.longest_fitting(rows)}))
+    longest = memory.longest_fitting(rows)
+    if a.markdown:
+        print(memory.markdown(rows, longest), flush=True)
+    print(json.dumps({"rows": rows, "longest": longest}))
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ $(TPU_STAMP): pyproject.toml
 test-tpu-aot: $(TPU_STAMP)
 	SPARSERL_REQUIRE_TPU_AOT=1 TPU_WORKER_HOSTNAMES=localhost \
 		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_tpu_aot.py \
-		tests/test_tpu_programs.py
+		tests/test_tpu_programs.py tests/test_bench_memory.py
 
 demo: $(STAMP)
 	rm -rf runs/demo
@@ -49,13 +49,14 @@ demo-async: $(STAMP)
 	rm -rf runs/demo-async
 	$(PY) -m sparserl_jax launch configs/demo.yaml --samplers 2 run_dir=runs/demo-async
 
-# The tunix side-by-side (`tools/bench_rollout.py --peer tunix`): google-tunix pins older
-# transformers/tokenizers than the test extra wants, so it gets its own venv, .venv-bench.
+# The tunix side-by-side (`tools/bench_rollout.py --peer tunix`, `tools/bench_memory.py`):
+# google-tunix pins older transformers/tokenizers than the test extra wants, so it gets its own
+# venv, .venv-bench; with libtpu (the tpu extra) for the ahead-of-time TPU compiles.
 .PHONY: bench-venv
 bench-venv:
 	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
 	.venv-bench/bin/python -m pip install "torch==2.13.0"
-	.venv-bench/bin/python -m pip install -e ".[bench]"
+	.venv-bench/bin/python -m pip install -e ".[bench,tpu]"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .

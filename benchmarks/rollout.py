@@ -103,6 +103,28 @@ def tunix_available() -> bool:
     return True
 
 
+def tunix_config(cfg: ModelConfig, **fields):
+    """tunix's Qwen2 `ModelConfig` of architecture `cfg` (`fields`: its other fields, e.g.
+    dtype, param_dtype, remat_config)."""
+    from tunix.models.qwen2 import model as tq
+
+    if not cfg.qkv_bias or cfg.qk_norm or cfg.o_bias or cfg.mlp_bias or cfg.rope_scaling:
+        raise ValueError("tunix's Qwen2 has QKV bias and nothing else: use a qwen2 preset")
+    return tq.ModelConfig(
+        num_layers=cfg.num_layers,
+        vocab_size=cfg.vocab_size,
+        embed_dim=cfg.hidden_size,
+        hidden_dim=cfg.intermediate_size,
+        num_heads=cfg.num_heads,
+        head_dim=cfg.head_dim,
+        num_kv_heads=cfg.num_kv_heads,
+        rope_theta=int(cfg.rope_theta),
+        norm_eps=cfg.rms_norm_eps,
+        use_tied_embedding=cfg.tie_embeddings,
+        **fields,
+    )
+
+
 def tunix_qwen2(model: Transformer):
     """tunix's Qwen2 module holding exactly `model`'s weights (fp32).
 
@@ -115,21 +137,7 @@ def tunix_qwen2(model: Transformer):
     from tunix.models.qwen2 import model as tq
 
     cfg = model.cfg
-    if not cfg.qkv_bias or cfg.qk_norm or cfg.o_bias or cfg.mlp_bias or cfg.rope_scaling:
-        raise ValueError("tunix's Qwen2 has QKV bias and nothing else: use a qwen2 preset")
-    tcfg = tq.ModelConfig(
-        num_layers=cfg.num_layers,
-        vocab_size=cfg.vocab_size,
-        embed_dim=cfg.hidden_size,
-        hidden_dim=cfg.intermediate_size,
-        num_heads=cfg.num_heads,
-        head_dim=cfg.head_dim,
-        num_kv_heads=cfg.num_kv_heads,
-        rope_theta=int(cfg.rope_theta),
-        norm_eps=cfg.rms_norm_eps,
-        use_tied_embedding=cfg.tie_embeddings,
-    )
-    peer = tq.Qwen2(tcfg, rngs=nnx.Rngs(0))
+    peer = tq.Qwen2(tunix_config(cfg), rngs=nnx.Rngs(0))
     src = nnx.to_pure_dict(nnx.state(model))
     dst = nnx.to_pure_dict(nnx.state(peer))
     dst["embedder"]["input_embedding"] = src["embed"]["embedding"]

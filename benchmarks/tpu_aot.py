@@ -76,6 +76,13 @@ def summarize(compiled) -> dict[str, Any]:
     }
 
 
+def total_bytes(summary: dict[str, Any]) -> int:
+    """Peak bytes per device of a compiled program: its arguments, its outputs that do not
+    alias (donated) arguments, and its temporaries."""
+    r = summary
+    return r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]
+
+
 def compile_program(device, fn: Callable, *args) -> dict[str, Any]:
     """Lower and compile jitted `fn` on abstract `args` for `device`'s TPU; never raises: a
     failure is reported as {"ok": False, "error": ...}."""
@@ -120,11 +127,12 @@ def engine_config(policy: str, *, slots=64, prompt=256, new=2048, page=16, budge
     )
 
 
-def engine_programs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) -> dict:
-    """Compile the engine's prefill and decode chunk for `devices` (one chip, or a mesh where
-    the weights are laid out by the logical-axis rules, the page pools split by KV head when
-    their count divides by the chips (else replicated: the pool is shared by all slots, so it has
-    no batch axis to split), the slot state replicated, and the kernels run per chip)."""
+def engine_inputs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) -> tuple:
+    """(engine, params, cache, slots, prefill inputs): abstract, placed on `devices` (one chip,
+    or a mesh where the weights are laid out by the logical-axis rules, the page pools split by
+    KV head when their count divides by the chips (else replicated: the pool is shared by all
+    slots, so it has no batch axis to split), the slot state replicated, and the kernels run per
+    chip)."""
     abstract = _abstract_model(model_cfg)
     mesh = _mesh(devices)
     engine = RolloutEngine(abstract, rcfg, mesh=mesh)
@@ -147,6 +155,12 @@ def engine_programs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) 
         ),
         rep,
     )
+    return engine, params, cache, slots, prefill_in
+
+
+def engine_programs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) -> dict:
+    """Compile the engine's prefill and decode chunk for `devices` (see `engine_inputs`)."""
+    engine, params, cache, slots, prefill_in = engine_inputs(model_cfg, rcfg, devices)
     return {
         "prefill": compile_program(devices[0], engine._prefill, params, cache, slots, *prefill_in),
         "decode_chunk": compile_program(devices[0], engine._chunk, params, cache, slots),
@@ -156,10 +170,11 @@ def engine_programs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) 
 # ---- the learner -------------------------------------------------------------------------------
 
 
-def learner_program(
+def learner_inputs(
     model_cfg: ModelConfig, lcfg: LearnerConfig, devices: list, *, batch=8, seq_len=2048
-) -> dict:
-    """Compile `Learner`'s step (fp32 master weights, AdamW state, no reference logprobs)."""
+) -> tuple:
+    """(learner, state, batch, pass index) of `Learner`'s step (fp32 master weights, AdamW
+    state, no reference logprobs): abstract, placed on `devices` as the learner lays them out."""
     abstract = _abstract_model(model_cfg.replace(param_dtype="float32"))
     mesh = _mesh(devices)
     learner = Learner(abstract, lcfg, mesh=mesh)
@@ -188,7 +203,15 @@ def learner_program(
         bs = functools.partial(learner._batch_sharding, mesh)
         rl_batch = RLBatch(*(_struct(x, bs(len(x.shape))) for x in rl_batch[:5]), None)
         pass_index = _struct(pass_index, NamedSharding(mesh, PartitionSpec()))
-    return compile_program(devices[0], learner._compiled_step(False), state, rl_batch, pass_index)
+    return learner, state, rl_batch, pass_index
+
+
+def learner_program(
+    model_cfg: ModelConfig, lcfg: LearnerConfig, devices: list, *, batch=8, seq_len=2048
+) -> dict:
+    """Compile `Learner`'s step (see `learner_inputs`)."""
+    learner, *args = learner_inputs(model_cfg, lcfg, devices, batch=batch, seq_len=seq_len)
+    return compile_program(devices[0], learner._compiled_step(False), *args)
 
 
 def hidden_states_program(model_cfg: ModelConfig, device, *, batch=1, seq_len=4096) -> dict:
@@ -356,7 +379,7 @@ def _brief(named: dict) -> str:
         if not r.get("ok"):
             parts.append(f"{name}: FAILED ({r.get('error', '')[:200]})")
             continue
-        mem = (r["argument_bytes"] + r["output_bytes"] - r["alias_bytes"] + r["temp_bytes"]) / GiB
+        mem = total_bytes(r) / GiB
         parts.append(
             f"{name}: ok {r['compile_s']}s mem {mem:.2f} GiB "
             f"{r['flops'] / 1e9:.1f} GFLOP mosaic={r['mosaic']}"

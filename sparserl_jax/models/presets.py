@@ -35,6 +35,12 @@ _PRESETS = {
         num_kv_heads=2, head_dim=128, intermediate_size=8960, tie_embeddings=True,
         max_position_embeddings=32768,
     ),
+    # Untied lm_head; max_position_embeddings as in Qwen2.5-7B-Instruct (the base says 131072).
+    "qwen2.5-7b": ModelConfig(
+        **_QWEN2, vocab_size=152064, hidden_size=3584, num_layers=28, num_heads=28,
+        num_kv_heads=4, head_dim=128, intermediate_size=18944, tie_embeddings=False,
+        max_position_embeddings=32768,
+    ),
     "qwen3-0.6b": ModelConfig(
         family="qwen3", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
         num_kv_heads=8, head_dim=128, intermediate_size=3072, qk_norm=True,

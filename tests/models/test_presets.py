@@ -11,6 +11,7 @@ from sparserl_jax.models import MODEL_PRESETS, ModelConfig, Transformer, model_p
 PUBLISHED = {
     "qwen2.5-0.5b": 494_032_768,  # "0.49B"
     "qwen2.5-1.5b": 1_543_714_304,  # "1.54B"
+    "qwen2.5-7b": 7_615_616_512,  # "7.61B", 6.53B non-embedding
     "qwen3-0.6b": 596_049_920,  # "0.6B", 0.44B non-embedding
     "llama3.2-1b": 1_235_814_400,  # "1.24B"
 }

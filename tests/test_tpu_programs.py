@@ -70,6 +70,13 @@ def test_learner_step_compiles_for_v5p(v5p, chips):
     _check(got, mosaic=True)
 
 
+@pytest.mark.parametrize("name", ["v5e:2x2", "v6e:2x2"])
+def test_learner_step_compiles_for_v5e_and_v6e(name):
+    lcfg = LearnerConfig(num_micro_batches=2)
+    devices = list(tpu.topology(name).devices)[:1]
+    _check(tpu_aot.learner_program(SMALL, lcfg, devices, batch=8, seq_len=64), mosaic=True)
+
+
 def test_learner_step_compiles_with_chunked_attention(v5p):
     lcfg = LearnerConfig(num_micro_batches=2)
     cfg = SMALL.replace(attention="chunked", attention_block=32)

@@ -320,10 +320,12 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
     tcfg = run.cfg.train
     # Idempotent outputs: rows a killed run wrote after its last checkpoint are re-run, so they
     # are dropped; the "before" evaluation is written only if that step has no row yet.
-    write_before = True
+    write_before, evaluated = True, False  # `evaluated`: a row holds this step's evaluation
     if run.resumed:
         kept = truncate_metrics(run.cfg.run_dir, run.start_step)
-        write_before = not any(r.get("step") == run.start_step for r in kept)
+        at_start = [r for r in kept if r.get("step") == run.start_step]
+        write_before = not at_start
+        evaluated = any("val/reward_mean" in r for r in at_start)
     writer = MetricsWriter(run.cfg.run_dir, tensorboard=tcfg.tensorboard)
     held_out = eval_examples(run.cfg.data, tcfg.eval_examples) if tcfg.eval_examples else []
     held_prompts = encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
@@ -348,6 +350,7 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
         # A row whose evaluation a signal stopped is completed by this one (the same weights).
         if write_before and (val or run.pending_row):
             row = writer.write(step, {**(run.pending_row or {}), **val})
+            evaluated = bool(val)
             if run.pending_row and on_step is not None:
                 on_step(step, row)
         if tcfg.progress and tcfg.steps > step:
@@ -380,7 +383,9 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
         if not guard.requested:
             run.ckpt.wait()
             val = evaluate(step, "eval-after", "after")
-            if val and step > run.start_step:  # else the "before" row is of these weights
+            # Not twice for the same weights: a finished run run again writes nothing, but one
+            # stopped during this evaluation writes its row now.
+            if val and (step > run.start_step or not evaluated):
                 writer.write(step, val)
             done = True
     except Preempted:  # an evaluation between steps: nothing to save

@@ -70,13 +70,19 @@ def test_resume_never_duplicates_metrics_rows(tmp_path):
     assert len(lines) == 3 and all(json.loads(line) for line in lines)
     # The same command once more, on a finished run: nothing to do, nothing written.
     before = (tmp_path / "metrics.jsonl").read_text()
+    summary = train(cfg, log_fn=lambda m: None)
+    assert summary["start_step"] == summary["end_step"] == 3
+    assert (tmp_path / "metrics.jsonl").read_text() == before
+    # Asked for a held-out evaluation the finished run lacks, it writes that one row, once.
     cfg = load_config(
         TINY, [f"run_dir={tmp_path}", *FAST, "train.steps=3", "train.eval_examples=2"]
     )
-    summary = train(cfg, log_fn=lambda m: None)
-    assert "val_reward_after" in summary
-    assert summary["start_step"] == summary["end_step"] == 3
-    assert (tmp_path / "metrics.jsonl").read_text() == before
+    for _ in range(2):
+        summary = train(cfg, log_fn=lambda m: None)
+        assert "val_reward_after" in summary
+        assert summary["start_step"] == summary["end_step"] == 3
+        rows = read_metrics(tmp_path)
+        assert [r["step"] for r in rows] == [1, 2, 3, 3] and "val/reward_mean" in rows[-1]
 
 
 def _no_build(monkeypatch):

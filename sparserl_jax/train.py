@@ -38,10 +38,12 @@ from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import STOP_SIGNALS, CheckpointManager, Preempted, PreemptionGuard
 from sparserl_jax.config import Config, to_dict
 from sparserl_jax.data import (
+    PromptLimit,
     encode_prompts,
     eval_examples,
     make_reward_fn,
-    prompt_iterator,
+    prompt_dataset,
+    resume_iterator,
 )
 from sparserl_jax.metrics import (
     MetricsWriter,
@@ -131,6 +133,7 @@ class _Run:
     sampler: Sampler
     reward_fn: Any
     data_it: Any
+    held_out: list  # the held-out examples (`train.eval_examples` of them)
     start_step: int
     resumed: bool
     pending_row: dict | None = None  # a metrics row whose evaluation a signal stopped
@@ -206,6 +209,12 @@ def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
     rcfg = cfg.rollout
     if rcfg.stop_token_ids == ():
         rcfg = dataclasses.replace(rcfg, stop_token_ids=tuple(tokenizer.eos_ids))
+    # Every prompt is read (and a long one skipped or refused) before the model is built.
+    limit = PromptLimit(tokenizer, rcfg.max_prompt_len)
+    prompts, _ = prompt_dataset(cfg.data, limit=limit)
+    held_out = (
+        eval_examples(cfg.data, tcfg.eval_examples, limit=limit) if tcfg.eval_examples else []
+    )
     trainer_mesh, sampler_mesh = make_meshes(cfg.mesh, tcfg, jax.devices())
     model = build_model(cfg.model, trainer_mesh)
     learner = Learner(model, cfg.learner, mesh=trainer_mesh)
@@ -267,7 +276,8 @@ def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
         transport=transport,
         sampler=sampler,
         reward_fn=make_reward_fn(cfg.data),
-        data_it=prompt_iterator(cfg.data, state=data_state),
+        data_it=resume_iterator(prompts, data_state),
+        held_out=held_out,
         start_step=start_step,
         resumed=restored is not None,
         pending_row=restored[1].get("pending_row") if restored is not None else None,
@@ -327,7 +337,7 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
         write_before = not at_start
         evaluated = any("val/reward_mean" in r for r in at_start)
     writer = MetricsWriter(run.cfg.run_dir, tensorboard=tcfg.tensorboard)
-    held_out = eval_examples(run.cfg.data, tcfg.eval_examples) if tcfg.eval_examples else []
+    held_out = run.held_out
     held_prompts = encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
 
     def evaluate(step: int, key: str, when: str) -> dict[str, float]:

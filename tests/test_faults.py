@@ -27,7 +27,16 @@ from sparserl_jax.checkpoint import (
 )
 from sparserl_jax.cli import main
 from sparserl_jax.config import ModelSpec, load_config
-from sparserl_jax.data import DataError, Example, RewardError, compute_rewards, encode_prompts
+from sparserl_jax.data import (
+    DataError,
+    Example,
+    PromptLimit,
+    RewardError,
+    compute_rewards,
+    encode_prompts,
+    eval_examples,
+    prompt_iterator,
+)
 from sparserl_jax.metrics import read_metrics, truncate_metrics
 from sparserl_jax.models import CheckpointError, DenseKVCache, HFTokenizer, from_hf, to_hf
 from sparserl_jax.rl import Learner, LearnerConfig
@@ -125,6 +134,54 @@ def test_long_prompt_is_named_when_encoded():
     assert len(encode_prompts([ok], tok, max_len=8)[0]) <= 8
     with pytest.raises(DataError, match=r"prompt 1 .*file\.jsonl:7.*rollout\.max_prompt_len=8"):
         encode_prompts([ok, long], tok, max_len=8)
+
+
+def _gsm8k(tmp_path, lengths):
+    """A gsm8k-style JSONL whose row i has a question of `lengths[i]` characters."""
+    rows = [json.dumps({"question": "q" * n, "answer": str(i)}) for i, n in enumerate(lengths)]
+    path = tmp_path / "train.jsonl"
+    path.write_text("\n".join(rows) + "\n")
+    return ["data.task=gsm8k", f"data.path={path}", f"data.eval_path={path}"]
+
+
+def test_long_prompts_are_counted_and_skipped_at_start_up(tmp_path, caplog):
+    # Rows 2 and 5 (lines 3 and 6) are longer than 8 tokens; every batch and the held-out set
+    # leave them out, and one line names them, file and line.
+    data = _gsm8k(tmp_path, [3, 4, 20, 5, 2, 30, 6, 3, 4])
+    cfg = load_config(TINY, [*data, "data.batch_size=2", "data.shuffle=false", "data.num_epochs=1"])
+    tok = build_tokenizer(cfg.tokenizer, cfg.model)
+    limit = PromptLimit(tok, 8)
+    with caplog.at_level("WARNING"):
+        it = prompt_iterator(cfg.data, limit=limit)
+        seen = [e.index for batch in it for e in batch.examples]
+    assert seen == [0, 1, 3, 4, 6, 7]  # 7 fit; drop_remainder drops the 7th
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 1
+    assert re.search(r"skipped 2 of 9 prompts longer than rollout\.max_prompt_len=8", lines[0])
+    assert "train.jsonl:3 (" in lines[0] and "train.jsonl:6 (" in lines[0]
+    held = eval_examples(cfg.data, 4, limit=limit)
+    assert [e.index for e in held] == [0, 1, 3, 4]
+    # Nothing dropped: the very same batches (and iterator states) as without a limit.
+    cfg = load_config(TINY, ["data.batch_size=2"])
+    a = prompt_iterator(cfg.data)
+    b = prompt_iterator(cfg.data, limit=PromptLimit(tok, 64))
+    for _ in range(5):
+        assert next(a).answers == next(b).answers and a.get_state() == b.get_state()
+
+
+def test_long_prompts_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    _no_build(monkeypatch)
+    data = _gsm8k(tmp_path, [3, 4, 20, 5, 6, 2])
+    cfg = load_config(
+        TINY,
+        [f"run_dir={tmp_path}/run", *FAST, *data, "rollout.max_prompt_len=8"]
+        + ["data.long_prompts=error"],
+    )
+    with pytest.raises(DataError, match=r"train prompt .*train\.jsonl:3 .* is \d+ tokens, more"):
+        train(cfg, log_fn=lambda m: None)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    with pytest.raises(ValueError, match=r"data.long_prompts = 'drop' is not one of 'skip', 'error'"):
+        load_config(TINY, ["data.long_prompts=drop"])
 
 
 @pytest.mark.parametrize(

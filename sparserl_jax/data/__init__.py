@@ -39,12 +39,14 @@ from sparserl_jax.data.extract import (
 )
 from sparserl_jax.data.files import load_file_examples
 from sparserl_jax.data.pipeline import (
+    PromptLimit,
     SFTBatch,
     encode_prompts,
     eval_examples,
     example_source,
     prompt_dataset,
     prompt_iterator,
+    resume_iterator,
     sft_batch,
     sft_pairs,
 )
@@ -96,6 +98,8 @@ __all__ = [
     "parse_number",
     "prompt_dataset",
     "prompt_iterator",
+    "PromptLimit",
+    "resume_iterator",
     "sft_batch",
     "sft_pairs",
     "solve",

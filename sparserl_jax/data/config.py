@@ -107,6 +107,10 @@ class DataConfig:
       prompt_template: the prompt text; `{question}` is replaced by the question.
       strict: a malformed row (bad JSON, missing field, non-numeric answer) raises an error
         naming file and line instead of being counted and skipped.
+      long_prompts: a prompt longer than `rollout.max_prompt_len` tokens, found when the data is
+        read at start-up: `skip` counts it, logs one line naming the first ones (file and line)
+        and leaves it out of every batch and of the held-out set; `error` refuses the data then,
+        naming the first one.
       reward_fn: `package.module:function` replacing the task's reward; called as
         `fn(prompt: str, completion: str, answer: str) -> float`.
       format_reward: reward of a well-formed but wrong answer (correct answers score 1.0).
@@ -126,6 +130,7 @@ class DataConfig:
     answer_field: str = "answer"
     prompt_template: str = "{question}"
     strict: bool = False
+    long_prompts: Literal["skip", "error"] = "skip"
     reward_fn: str | None = None
     format_reward: float = 0.0
     num_threads: int = 1
@@ -140,6 +145,10 @@ class DataConfig:
         if self.num_epochs is not None and self.num_epochs < 1:
             raise ValueError(
                 f"data.num_epochs must be >= 1 or null (forever), got {self.num_epochs}"
+            )
+        if self.long_prompts not in ("skip", "error"):
+            raise ValueError(
+                f"data.long_prompts {self.long_prompts!r} unknown; expected 'skip' or 'error'"
             )
         if self.file_format not in FILE_FORMATS:
             raise ValueError(

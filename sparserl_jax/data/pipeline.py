@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,11 +33,83 @@ from sparserl_jax.data.files import load_file_examples
 from sparserl_jax.data.records import DataError, Example, LoadReport, PromptBatch, make_batch
 
 SPLITS: tuple[str, ...] = ("train", "eval")
+LISTED = 3  # long prompts named in the log line
+
+log = logging.getLogger(__name__)
 
 
-def example_source(cfg: DataConfig, *, split: str = "train") -> tuple[grain.MapDataset, LoadReport]:
+@dataclasses.dataclass(frozen=True)
+class PromptLimit:
+    """The longest prompt the rollout takes (`rollout.max_prompt_len`), in `tokenizer`'s tokens
+    (as `encode_prompts` counts them: with the BOS when `add_bos`)."""
+
+    tokenizer: Any
+    max_len: int
+    add_bos: bool = True
+
+    def length(self, example: Example) -> int:
+        return len(self.tokenizer.encode(example.prompt, add_bos=self.add_bos))
+
+
+def _long_prompts(long: list[tuple[Example, int]], read: int, cfg, limit, split: str) -> None:
+    """Refuse (`data.long_prompts=error`) or log in one line the prompts of `long` (example,
+    tokens), found among `read` examples of `split`."""
+    if not long:
+        return
+    first, n = long[0]
+    if cfg.long_prompts == "error":
+        raise DataError(
+            f"{split} prompt {first.source} ({first.prompt[:40]!r}...) is {n} tokens, more "
+            f"than rollout.max_prompt_len={limit.max_len}; raise rollout.max_prompt_len or set "
+            "data.long_prompts=skip to leave such prompts out"
+        )
+    log.warning(
+        "data (%s): skipped %d of %d prompts longer than rollout.max_prompt_len=%d tokens "
+        "(data.long_prompts=skip); first: %s",
+        split,
+        len(long),
+        read,
+        limit.max_len,
+        "; ".join(f"{e.source} ({k} tokens)" for e, k in long[:LISTED]),
+    )
+
+
+def _fitting(ds: grain.MapDataset, cfg: DataConfig, limit: PromptLimit, split: str):
+    """`ds` without the examples whose prompt is longer than `limit` (see `_long_prompts`).
+    Reads every prompt once (`error` stops at the first long one); the same `ds` back when all
+    fit, so batches and iterator states are those of the unfiltered pipeline."""
+    long: list[tuple[Example, int]] = []
+    keep: list[int] = []
+    for i in range(len(ds)):
+        n = limit.length(example := ds[i])
+        if n <= limit.max_len:
+            keep.append(i)
+        else:
+            long.append((example, n))
+            if cfg.long_prompts == "error":
+                break
+    _long_prompts(long, len(ds), cfg, limit, split)
+    if not long:
+        return ds
+    if not keep:
+        raise DataError(
+            f"every {split} prompt is longer than rollout.max_prompt_len={limit.max_len} tokens"
+        )
+    base = ds
+    return grain.MapDataset.source(keep).map(lambda i: base[int(i)])
+
+
+def example_source(
+    cfg: DataConfig, *, split: str = "train", limit: PromptLimit | None = None
+) -> tuple[grain.MapDataset, LoadReport]:
     """All examples of `split` as a random-access `grain.MapDataset[Example]`, and the load
-    report (empty for the generated tasks)."""
+    report (empty for the generated tasks). With `limit`, prompts longer than it are left out
+    or refused (`data.long_prompts`)."""
+    ds, report = _all_examples(cfg, split)
+    return (ds if limit is None else _fitting(ds, cfg, limit, split)), report
+
+
+def _all_examples(cfg: DataConfig, split: str) -> tuple[grain.MapDataset, LoadReport]:
     if split not in SPLITS:
         raise ValueError(f"split {split!r} unknown; expected one of {SPLITS}")
     if cfg.task == "arithmetic":
@@ -57,12 +130,18 @@ def example_source(cfg: DataConfig, *, split: str = "train") -> tuple[grain.MapD
 
 
 def prompt_dataset(
-    cfg: DataConfig, *, split: str = "train", shard_index: int = 0, shard_count: int = 1
+    cfg: DataConfig,
+    *,
+    split: str = "train",
+    shard_index: int = 0,
+    shard_count: int = 1,
+    limit: PromptLimit | None = None,
 ) -> tuple[grain.IterDataset, LoadReport]:
-    """The batched pipeline (`grain.IterDataset[PromptBatch]`) and the source's load report."""
+    """The batched pipeline (`grain.IterDataset[PromptBatch]`) and the source's load report;
+    `limit`: see `example_source`."""
     if not 0 <= shard_index < shard_count:
         raise ValueError(f"need 0 <= shard_index < shard_count, got {shard_index}, {shard_count}")
-    ds, report = example_source(cfg, split=split)
+    ds, report = example_source(cfg, split=split, limit=limit)
     if shard_count > 1:
         ds = ds[shard_index::shard_count]
     if len(ds) == 0:
@@ -87,24 +166,50 @@ def prompt_iterator(
     state: Mapping[str, Any] | None = None,
     shard_index: int = 0,
     shard_count: int = 1,
+    limit: PromptLimit | None = None,
 ) -> grain.DatasetIterator:
     """An iterator of `PromptBatch`; `get_state()` / `set_state()` checkpoint its position.
 
-    `state` (from an earlier `get_state()`) resumes where that iterator stood.
+    `state` (from an earlier `get_state()`) resumes where that iterator stood; `limit`: see
+    `example_source`.
     """
-    ds, _ = prompt_dataset(cfg, split=split, shard_index=shard_index, shard_count=shard_count)
+    ds, _ = prompt_dataset(
+        cfg, split=split, shard_index=shard_index, shard_count=shard_count, limit=limit
+    )
+    return resume_iterator(ds, state)
+
+
+def resume_iterator(ds: grain.IterDataset, state: Mapping[str, Any] | None = None):
+    """An iterator over `ds` (from `prompt_dataset`) at `state` (None: the beginning)."""
     it = iter(ds)
     if state is not None:
         it.set_state(dict(state))
     return it
 
 
-def eval_examples(cfg: DataConfig, num: int | None = None) -> list[Example]:
+def eval_examples(
+    cfg: DataConfig, num: int | None = None, *, limit: PromptLimit | None = None
+) -> list[Example]:
     """The first `num` (all when None) examples of the eval split, unshuffled: a fixed held-out
-    set for before/after reward numbers."""
+    set for before/after reward numbers. With `limit`, longer prompts are passed over (or
+    refused, `data.long_prompts`); only the rows up to the `num`-th that fits are read."""
     ds, _ = example_source(cfg, split="eval")
     n = len(ds) if num is None else min(num, len(ds))
-    return [ds[i] for i in range(n)]
+    if limit is None:
+        return [ds[i] for i in range(n)]
+    out, long, read = [], [], 0
+    for read in range(1, len(ds) + 1):
+        example = ds[read - 1]
+        if (k := limit.length(example)) <= limit.max_len:
+            out.append(example)
+        else:
+            long.append((example, k))
+            if cfg.long_prompts == "error":
+                break
+        if len(out) == n:
+            break
+    _long_prompts(long, read, cfg, limit, "eval")
+    return out
 
 
 def sft_pairs(cfg: DataConfig, num: int, *, split: str = "train") -> list[tuple[str, str]]:

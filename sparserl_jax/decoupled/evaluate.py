@@ -8,7 +8,7 @@ import dataclasses
 from typing import Any
 
 from sparserl_jax.config import Config
-from sparserl_jax.data import encode_prompts, eval_examples
+from sparserl_jax.data import encode_prompts
 from sparserl_jax.sampler import Sampler, sampler_shardings
 from sparserl_jax.sync import Transport
 
@@ -16,13 +16,14 @@ __all__ = ["Evaluator"]
 
 
 class Evaluator:
-    """`train.eval_examples` held-out prompts scored with the newest published weights."""
+    """Held-out `examples` (`train.eval_examples` of them) scored with the newest published
+    weights."""
 
-    def __init__(self, cfg: Config, learner, model, params, mesh, tokenizer, reward_fn):
+    def __init__(self, cfg: Config, learner, model, params, mesh, tokenizer, reward_fn, examples):
         rcfg = cfg.rollout
         if rcfg.stop_token_ids == ():
             rcfg = dataclasses.replace(rcfg, stop_token_ids=tuple(tokenizer.eos_ids))
-        self.examples = eval_examples(cfg.data, cfg.train.eval_examples)
+        self.examples = examples
         self.prompts = encode_prompts(self.examples, tokenizer, max_len=rcfg.max_prompt_len)
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
         self.sampler = Sampler.create(

@@ -38,7 +38,13 @@ import numpy as np
 from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
 from sparserl_jax.config import Config, to_dict
-from sparserl_jax.data import make_reward_fn, prompt_iterator
+from sparserl_jax.data import (
+    PromptLimit,
+    eval_examples,
+    make_reward_fn,
+    prompt_dataset,
+    resume_iterator,
+)
 from sparserl_jax.decoupled.evaluate import Evaluator
 from sparserl_jax.decoupled.exchange import Exchange, Rollout
 from sparserl_jax.decoupled.ledger import Ledger
@@ -121,6 +127,12 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     ex = exchange if exchange is not None else Exchange(exchange_url(cfg))
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+    # Every prompt is read (and a long one skipped or refused) before the model is built.
+    limit = PromptLimit(tokenizer, cfg.rollout.max_prompt_len)
+    prompts, _ = prompt_dataset(cfg.data, limit=limit)
+    held_out = (
+        eval_examples(cfg.data, tcfg.eval_examples, limit=limit) if tcfg.eval_examples else []
+    )
     mesh = make_mesh(cfg.mesh, jax.devices())
     model = build_model(cfg.model, mesh)
     learner = Learner(model, cfg.learner, mesh=mesh)
@@ -146,7 +158,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     queue = WorkQueue(
         ex,
         ledger,
-        prompt_iterator(cfg.data, state=meta.get("data_state")),
+        resume_iterator(prompts, meta.get("data_state")),
         tokenizer,
         epoch=epoch,
         seed=tcfg.seed,
@@ -161,7 +173,9 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step}
     evaluator = None
     if tcfg.eval_examples:
-        evaluator = Evaluator(cfg, learner, model, state.params, mesh, tokenizer, reward_fn)
+        evaluator = Evaluator(
+            cfg, learner, model, state.params, mesh, tokenizer, reward_fn, held_out
+        )
 
     def evaluate(step: int, when: str | None) -> dict[str, Any]:
         val = evaluator(publisher.transport) if evaluator is not None else {}

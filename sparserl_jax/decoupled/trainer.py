@@ -39,6 +39,7 @@ from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
 from sparserl_jax.config import Config, to_dict
 from sparserl_jax.data import make_reward_fn, prompt_iterator
+from sparserl_jax.decoupled.config import refuse_adaptive_kv
 from sparserl_jax.decoupled.evaluate import Evaluator
 from sparserl_jax.decoupled.exchange import Exchange, Rollout
 from sparserl_jax.decoupled.ledger import Ledger
@@ -115,6 +116,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     """Run the decoupled trainer for `cfg` until `train.steps`; returns the summary."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, topology="colocated"))
     check_config(cfg)
+    refuse_adaptive_kv(cfg.rollout)
     tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -253,6 +255,8 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
                 timings={"wait": t_wait, **out.timings, "step": t_total},
             )
             row.update(out.extra)
+            if cfg.rollout.sparse:
+                row["rollout/kv_budget"] = cfg.rollout.kv.budget  # fixed: `refuse_adaptive_kv`
             row.update(
                 {
                     "sync/verified": True,  # the rollout's weights digest matched (`_Usable`)

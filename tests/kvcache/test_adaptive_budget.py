@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from flax import nnx
 
 from sparserl_jax.config import ConfigError, load_config
 from sparserl_jax.kvcache import (
@@ -12,6 +13,9 @@ from sparserl_jax.kvcache import (
     CompressionConfig,
     budget_ladder,
 )
+from sparserl_jax.rollout import RolloutConfig
+from sparserl_jax.sampler import Sampler
+from sparserl_jax.testing import tiny_model
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
@@ -114,3 +118,33 @@ def test_config_section_and_validation():
             load_config(TINY, ["rollout.kv.adaptive.enabled=true", *overrides])
     with pytest.raises(ConfigError, match="generate.kv.adaptive"):
         load_config(TINY, ["generate.kv.policy=rkv", "generate.kv.adaptive.enabled=true"])
+
+
+def test_sampler_switches_budgets_compiling_once_per_rung():
+    """Each budget's engines are built once and kept: going back to a budget reuses its
+    compiled programs, and a smaller budget rolls out in a smaller peak KV."""
+    model = tiny_model(seed=3)
+    rollout = RolloutConfig(
+        num_slots=2,
+        max_prompt_len=6,
+        max_new_tokens=24,
+        chunk_steps=8,
+        page_size=4,
+        kv=CompressionConfig(policy="streaming", budget=8, window=2, interval=4, sink_tokens=1),
+    )
+    params = nnx.to_pure_dict(nnx.state(model))
+    sampler = Sampler.create(model, params, rollout, shardings={}, publish_dtype=None)
+    assert sampler.kv_budget == 8 and sampler.engine.config.kv.budget == 8
+    prompts = [[5, 6, 7], [9, 10]]
+    peaks = {}
+    for budget in (8, 16, 8, 16, 8):
+        sampler.set_kv_budget(budget)
+        res = sampler.engine.generate(prompts)
+        peaks.setdefault(budget, res.stats["kv_peak_bytes"])
+        assert res.stats["kv_peak_bytes"] == peaks[budget]
+    assert sorted(sampler.by_budget) == [8, 16]
+    for engine, eval_engine in sampler.by_budget.values():
+        assert engine._chunk._cache_size() == engine._prefill._cache_size() == 1
+        assert eval_engine.config.temperature == 0.0
+    assert peaks[8] < peaks[16]
+    assert sampler.by_budget[16][0].config.kv.budget == 16

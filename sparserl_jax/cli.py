@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.command in ("train", "trainer", "launch"):
-            check_config(cfg)
         if args.command in ("trainer", "sampler", "launch"):
             refuse_adaptive_kv(cfg.rollout)
+        if args.command in ("train", "trainer", "launch"):
+            check_config(cfg)
         if args.command == "launch" and args.samplers < 1:
             raise ValueError(f"--samplers must be >= 1, got {args.samplers}")
     except USAGE_ERRORS as e:

@@ -115,8 +115,8 @@ class _Usable:
 def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) -> dict:
     """Run the decoupled trainer for `cfg` until `train.steps`; returns the summary."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, topology="colocated"))
-    check_config(cfg)
     refuse_adaptive_kv(cfg.rollout)
+    check_config(cfg)
     tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -21,6 +21,7 @@ import yaml
 
 from sparserl_jax.checkpoint import CheckpointMismatchError
 from sparserl_jax.config import ConfigError, load_config, to_dict
+from sparserl_jax.decoupled.config import refuse_adaptive_kv
 from sparserl_jax.decoupled.launch import launch
 from sparserl_jax.decoupled.sampler_job import run_sampler
 from sparserl_jax.decoupled.trainer import exchange_url, run_trainer
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.command in ("trainer", "sampler", "launch"):
+            refuse_adaptive_kv(cfg.rollout)
         if args.command in ("train", "trainer", "launch"):
             check_config(cfg)
         if args.command == "launch" and args.samplers < 1:

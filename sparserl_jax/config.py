@@ -162,6 +162,11 @@ class GenerateConfig:
             raise ConfigError(f"generate.top_k must be >= 0, got {self.top_k}")
         if not self.prompts:
             raise ConfigError("generate.prompts is empty")
+        if self.kv is not None and self.kv.adaptive.enabled:
+            raise ConfigError(
+                "generate.kv.adaptive.enabled: the adaptive budget moves between RL steps "
+                "(rollout.kv.adaptive with `sparserl train`); set generate.kv.budget instead"
+            )
 
 
 Topology = Literal["colocated", "split"]

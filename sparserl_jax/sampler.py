@@ -87,10 +87,21 @@ def completion_texts(result: RolloutResult, tokenizer) -> list[str]:
     ]
 
 
+def _engines(
+    model: nnx.Module, rollout: RolloutConfig, mesh: Mesh | None
+) -> tuple[RolloutEngine, RolloutEngine]:
+    """The training-rollout engine of `rollout` and its greedy evaluation twin."""
+    greedy = dataclasses.replace(rollout, temperature=0.0, n_samples=1)
+    return RolloutEngine(model, rollout, mesh=mesh), RolloutEngine(model, greedy, mesh=mesh)
+
+
 @dataclasses.dataclass
 class Sampler:
     """The sampler's weights (received through PULSESync) and its two engines: `engine` samples
-    like the training rollouts, `eval_engine` decodes one greedy completion per prompt."""
+    like the training rollouts, `eval_engine` decodes one greedy completion per prompt.
+
+    With a compressed KV cache, `set_kv_budget` switches both to another budget (the adaptive
+    budget, `kvcache.adaptive`); `kv_budget` is the one in use (None when dense)."""
 
     receiver: Receiver
     treedef: Any
@@ -99,6 +110,14 @@ class Sampler:
     publish_dtype: Any
     engine: RolloutEngine
     eval_engine: RolloutEngine
+    model: nnx.Module | None = None  # the graph the engines run (to build other budgets')
+    mesh: Mesh | None = None
+    kv_budget: int | None = None
+    # Per budget, its two engines: built on first use and kept, so each budget's programs
+    # compile once however often the budget comes back (a ladder bounds how many there are).
+    by_budget: dict[int, tuple[RolloutEngine, RolloutEngine]] = dataclasses.field(
+        default_factory=dict
+    )
 
     @classmethod
     def create(
@@ -115,17 +134,37 @@ class Sampler:
         weights), each leaf laid out as `shardings` says (see `sampler_shardings`). `params` gives
         the parameter tree's structure and dtypes. `mesh`: the sampler's devices, over which
         the engines lay out their paged caches and run their kernels."""
+        budget = rollout.kv.budget if rollout.sparse else None
+        if budget is not None:
+            rollout = rollout.with_budget(budget)  # the engines never adapt by themselves
+        engine, eval_engine = _engines(model, rollout, mesh)
         return cls(
             receiver=Receiver(lambda name, shape: shardings[name]),
             treedef=jax.tree.structure(params),
             names=leaf_names(params),
             like=jax.eval_shape(lambda p: p, params),
             publish_dtype=publish_dtype,
-            engine=RolloutEngine(model, rollout, mesh=mesh),
-            eval_engine=RolloutEngine(
-                model, dataclasses.replace(rollout, temperature=0.0, n_samples=1), mesh=mesh
-            ),
+            engine=engine,
+            eval_engine=eval_engine,
+            model=model,
+            mesh=mesh,
+            kv_budget=budget,
+            by_budget={} if budget is None else {budget: (engine, eval_engine)},
         )
+
+    def set_kv_budget(self, budget: int) -> None:
+        """Roll out and evaluate with KV budget `budget` (tokens) from the next rollout on.
+
+        Each budget's engines are built the first time it is asked for and kept: their programs
+        compile once, and their page pools exist only while a rollout runs (an engine allocates
+        its cache per `generate`), so a budget not in use holds no KV memory."""
+        if self.kv_budget is None:
+            raise ValueError("set_kv_budget needs a compressed KV cache (rollout.kv.policy)")
+        if budget not in self.by_budget:
+            rollout = self.engine.config.with_budget(budget)
+            self.by_budget[budget] = _engines(self.model, rollout, self.mesh)
+        self.engine, self.eval_engine = self.by_budget[budget]
+        self.kv_budget = budget
 
     @property
     def version(self) -> int:

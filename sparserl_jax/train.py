@@ -9,15 +9,17 @@ One RL step (`_Run.step`):
     4. up to K DGG-gated passes of the Sparse-RL objective
     5. PULSESync: the publisher's patch is applied by the sampler, which proves it holds the
        published bits exactly (the receiver checks the full-state digest)
-    6. one metrics row; a checkpoint every `train.save_every` steps
+    6. one metrics row; the adaptive KV budget (`rollout.kv.adaptive`) picks the next step's
+       budget from this step's `correction/rho_p5`; a checkpoint every `train.save_every` steps
 
 Topologies (`sparserl_jax.sampler.make_meshes`): `colocated` (one mesh) and `split` (disjoint
 trainer and sampler meshes, the patch applied onto the sampler mesh in-process). Both always go
 through PULSESync.
 
 Resume: checkpoints hold the learner state (master params, optimizer, DGG window, counters), the
-data-iterator state, the sync version and the step; rollout keys derive from `(train.seed, step)`,
-so a resumed run continues bit for bit. SIGTERM or SIGINT stops a run at a safe point (`train`).
+data-iterator state, the sync version, the adaptive KV budget's state and the step; rollout keys
+derive from `(train.seed, step)`, so a resumed run continues bit for bit. SIGTERM or SIGINT stops
+a run at a safe point (`train`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ from sparserl_jax.data import (
     prompt_dataset,
     resume_iterator,
 )
+from sparserl_jax.kvcache import BudgetController, BudgetState
 from sparserl_jax.metrics import (
     MetricsWriter,
     jsonable_row,
@@ -137,6 +140,8 @@ class _Run:
     start_step: int
     resumed: bool
     pending_row: dict | None = None  # a metrics row whose evaluation a signal stopped
+    budget: BudgetController | None = None  # the adaptive KV budget (`rollout.kv.adaptive`)
+    budget_state: BudgetState | None = None
 
     def step(self, step: int, guard: PreemptionGuard) -> dict[str, Any]:
         """One RL step (the list in the module docstring); returns its metrics row. A signal
@@ -167,7 +172,7 @@ class _Run:
         t0 = time.perf_counter()
         events = self.sampler.sync(self.transport)
         t_sync = out.timings.pop("publish") + time.perf_counter() - t0
-        return (
+        row = (
             step_metrics(
                 rewards=out.rewards,
                 advantages=out.advantages,
@@ -185,6 +190,12 @@ class _Run:
             )
             | out.extra
         )
+        if self.sampler.kv_budget is not None:
+            row["rollout/kv_budget"] = self.sampler.kv_budget  # the budget this rollout used
+        if self.budget is not None:
+            self.budget_state = self.budget.update(self.budget_state, row["correction/rho_p5"])
+            self.sampler.set_kv_budget(self.budget_state.budget)
+        return row
 
     def save(self, step: int, guard: PreemptionGuard, pending_row: dict | None = None) -> None:
         """Checkpoint `step` (asynchronously). `pending_row`: the step's metrics row when its
@@ -194,6 +205,8 @@ class _Run:
             "sync_version": self.publisher.version,
             "sync_run_id": self.publisher.run_id,
         }
+        if self.budget_state is not None:
+            meta["kv_budget"] = self.budget_state._asdict()
         if pending_row is not None:
             meta["pending_row"] = jsonable_row(pending_row)
         self.ckpt.save(step, {"learner": self.state}, meta)
@@ -265,6 +278,14 @@ def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
     )
     publisher.publish(state.params)
     sampler.sync(transport)
+    budget = budget_state = None
+    if rcfg.sparse and rcfg.kv.adaptive.enabled:
+        budget = BudgetController.from_config(
+            rcfg.kv, page_size=rcfg.page_size, max_len=rcfg.max_len
+        )
+        saved = restored[1].get("kv_budget") if restored is not None else None
+        budget_state = budget.restore(saved) if saved else budget.init(rcfg.kv.budget)
+        sampler.set_kv_budget(budget_state.budget)
     return _Run(
         cfg=cfg,
         rollout=rcfg,
@@ -281,6 +302,8 @@ def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
         start_step=start_step,
         resumed=restored is not None,
         pending_row=restored[1].get("pending_row") if restored is not None else None,
+        budget=budget,
+        budget_state=budget_state,
     )
 
 

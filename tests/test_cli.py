@@ -19,3 +19,12 @@ def test_generate_job(tmp_path, capsys):
 def test_config_error_exit_code(capsys):
     assert main(["generate", "configs/tiny.yaml", "model.arch.num_layerz=2"]) == 2
     assert "did you mean 'num_layers'" in capsys.readouterr().err
+
+
+def test_decoupled_jobs_refuse_the_adaptive_budget(tmp_path, capsys):
+    for job in (["trainer"], ["sampler", "--id", "s0"], ["launch", "--samplers", "1"]):
+        argv = [*job, "configs/tiny.yaml", f"run_dir={tmp_path}"]
+        assert main([*argv, "rollout.kv.adaptive.enabled=true"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert "rollout.kv.adaptive.enabled=true works with `sparserl train` only" in err

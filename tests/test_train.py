@@ -193,3 +193,50 @@ def test_algorithm_options_end_to_end(tmp_path, overrides):
     for r in rows:
         assert np.isfinite(r["actor/pg_loss"]) and r["sync/verified"] is True
         assert r.get("actor/old_log_prob_bypassed", 0) == ("bypass" in overrides[-1])
+
+
+@pytest.mark.slow
+def test_adaptive_kv_budget_moves_and_resumes_bit_identically(tmp_path):
+    """`rollout.kv.adaptive` on the tiny config: the budget moves between steps as p5 asks,
+    every row logs it, and a run stopped after step 2 and resumed ends with the same weights,
+    the same controller state and the same rows as one that never stopped."""
+    common = [
+        "train.eval_examples=0",
+        "sft.steps=0",
+        "data.batch_size=4",  # 8 rows: one per fake device
+        "rollout.kv.adaptive.enabled=true",
+        "rollout.kv.adaptive.patience=1",
+        "train.save_every=2",
+    ]
+
+    def run(run_dir, steps):
+        cfg = load_config(TINY, [f"run_dir={run_dir}", f"train.steps={steps}", *common])
+        return train(cfg, log_fn=lambda m: None)
+
+    run(tmp_path / "full", 4)
+    run(tmp_path / "cut", 2)
+    assert run(tmp_path / "cut", 4)["start_step"] == 2
+
+    keys = ("rollout/kv_budget", "correction/rho_p5", "correction/rho_p1", "actor/pg_loss")
+    rows = {}
+    for name in ("full", "cut"):
+        got = [r for r in read_metrics(tmp_path / name) if "critic/score/mean" in r]
+        rows[name] = [(r["step"], *(r[k] for k in keys)) for r in got]
+    assert rows["full"] == rows["cut"]
+    budgets = [r[1] for r in rows["full"]]
+    ladder = load_config(TINY, common).rollout.kv_ladder
+    assert budgets[0] == 12 and set(budgets) <= set(ladder)
+    assert len(set(budgets)) > 1, rows["full"]  # the controller moved the budget
+    for (_, budget, p5, *_), nxt in zip(rows["full"], budgets[1:], strict=False):
+        i = ladder.index(budget)
+        want = ladder[min(i + 1, len(ladder) - 1)] if p5 < 0.86 else budget
+        want = ladder[max(i - 1, 0)] if p5 > 0.91 else want
+        assert nxt == want, (budget, p5, nxt)
+
+    a, meta_a = _final_state(tmp_path / "full", 4)
+    b, meta_b = _final_state(tmp_path / "cut", 4)
+    assert_trees_equal(jax.device_get(a), jax.device_get(b))
+    assert meta_a["kv_budget"] == meta_b["kv_budget"]
+    assert meta_a["kv_budget"]["budget"] in ladder
+    # The resumed run took step 3's budget from checkpoint 2, not from the config.
+    assert _final_state(tmp_path / "cut", 2)[1]["kv_budget"]["budget"] == budgets[2]

@@ -55,3 +55,15 @@ class AsyncConfig:
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+
+def refuse_adaptive_kv(rollout) -> None:
+    """The decoupled jobs sample at the configured KV budget only: each sampler builds its
+    engines from its own config and a work item carries no budget, so the adaptive budget
+    (`rollout.kv.adaptive`, a `RolloutConfig`'s) could not reach them; refuse it in one line."""
+    if rollout.kv is not None and rollout.kv.adaptive.enabled:
+        raise ValueError(
+            "rollout.kv.adaptive.enabled=true works with `sparserl train` only: the decoupled "
+            "samplers run the configured rollout.kv.budget (work items carry no budget); set "
+            "rollout.kv.adaptive.enabled=false for trainer, sampler and launch"
+        )

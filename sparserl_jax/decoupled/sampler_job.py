@@ -28,6 +28,7 @@ from flax import nnx
 
 from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.config import Config
+from sparserl_jax.decoupled.config import refuse_adaptive_kv
 from sparserl_jax.decoupled.exchange import Claim, Exchange, Rollout
 from sparserl_jax.parallel import make_mesh
 from sparserl_jax.sampler import Sampler, sampler_shardings
@@ -131,6 +132,7 @@ def run_sampler(
 ) -> dict:
     """Serve rollouts until the trainer says it is done (or give up); returns a summary with
     `exit_code` (0, or `GAVE_UP`), the items done and the versions held."""
+    refuse_adaptive_kv(cfg.rollout)
     xcfg = cfg.exchange
     sampler = _build(cfg)
     waiter = _Waiter(xcfg, log_fn)

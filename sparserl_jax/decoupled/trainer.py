@@ -45,6 +45,7 @@ from sparserl_jax.data import (
     prompt_dataset,
     resume_iterator,
 )
+from sparserl_jax.decoupled.config import refuse_adaptive_kv
 from sparserl_jax.decoupled.evaluate import Evaluator
 from sparserl_jax.decoupled.exchange import Exchange, Rollout
 from sparserl_jax.decoupled.ledger import Ledger
@@ -120,6 +121,7 @@ class _Usable:
 def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) -> dict:
     """Run the decoupled trainer for `cfg` until `train.steps`; returns the summary."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, topology="colocated"))
+    refuse_adaptive_kv(cfg.rollout)
     check_config(cfg)
     tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
     run_dir = Path(cfg.run_dir)
@@ -267,6 +269,8 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
                 timings={"wait": t_wait, **out.timings, "step": t_total},
             )
             row.update(out.extra)
+            if cfg.rollout.sparse:
+                row["rollout/kv_budget"] = cfg.rollout.kv.budget  # fixed: `refuse_adaptive_kv`
             row.update(
                 {
                     "sync/verified": True,  # the rollout's weights digest matched (`_Usable`)

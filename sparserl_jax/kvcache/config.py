@@ -22,6 +22,53 @@ def cdiv(a: int, b: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaptiveBudgetConfig:
+    """A controller of the budget B between RL steps (`rollout.kv.adaptive`; off by default).
+
+    It watches `correction/rho_p5`, the 5th percentile of the token ratio pi_old / mu, and keeps
+    it at or above `target` (Sparrow, arXiv 2606.08446: p5 >= ~0.86; the mean cannot tell a
+    stable run from a collapsing one). The law (`kvcache.adaptive.BudgetController`): after a
+    step, p5 < target raises B one rung of the ladder at once; p5 > target + margin for
+    `patience` steps in a row lowers it one rung; in between B holds. The ladder is `levels`
+    budgets from `min_budget` to `max_budget` in equal whole-page steps, so the rollout
+    programs compile at most once per rung (`kvcache.adaptive.budget_ladder`).
+
+    Attributes:
+      enabled: run the controller (`sparserl train` only; the decoupled jobs refuse it).
+      target: the p5 floor.
+      margin: the hysteresis band: B is lowered only while p5 > target + margin.
+      patience: steps in a row above the band before B is lowered (raising never waits).
+      min_budget: the lowest budget (tokens); None: `budget`.
+      max_budget: the highest budget (tokens); None: the rollout's whole length
+        (`max_prompt_len + max_new_tokens`, where nothing is ever evicted).
+      levels: the most rungs on the ladder (min and max included).
+    """
+
+    enabled: bool = False
+    target: float = 0.86
+    margin: float = 0.05
+    patience: int = 2
+    min_budget: int | None = None
+    max_budget: int | None = None
+    levels: int = 6
+
+    def __post_init__(self):
+        if not 0 < self.target <= 1:
+            raise ValueError(f"adaptive.target must be in (0, 1], got {self.target}")
+        if not self.margin > 0:
+            raise ValueError(
+                f"adaptive.margin must be > 0 (the hysteresis band), got {self.margin}"
+            )
+        if self.patience < 1:
+            raise ValueError(f"adaptive.patience must be >= 1, got {self.patience}")
+        if self.levels < 2:
+            raise ValueError(f"adaptive.levels must be >= 2, got {self.levels}")
+        lo, hi = self.min_budget, self.max_budget
+        if lo is not None and hi is not None and not lo < hi:
+            raise ValueError(f"adaptive needs min_budget < max_budget, got [{lo}, {hi}]")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class CompressionConfig:
     """Which tokens a compression keeps, and when it runs.
 
@@ -39,6 +86,8 @@ class CompressionConfig:
         before averaging (R-KV `retain_direction="last"`), so the latest copy survives.
       sink_tokens: StreamingLLM's always-kept first tokens.
       granularity: one kept set per sequence (Sparse-RL), per layer, or per KV head (R-KV).
+      adaptive: move `budget` between RL steps to hold the ratio's tail (`AdaptiveBudgetConfig`);
+        `budget` is then where it starts.
     """
 
     policy: Policy = "rkv"
@@ -51,6 +100,7 @@ class CompressionConfig:
     rkv_retain_last: bool = True
     sink_tokens: int = 4
     granularity: Granularity = "sequence"
+    adaptive: AdaptiveBudgetConfig = AdaptiveBudgetConfig()
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -76,6 +126,19 @@ class CompressionConfig:
                 f"sink_tokens must be in [0, budget - window = {self.budget - self.window}], "
                 f"got {self.sink_tokens}"
             )
+        ad = self.adaptive
+        if ad.enabled:
+            if self.policy == "none":
+                raise ValueError("adaptive.enabled needs a compression policy, not 'none'")
+            lo = self.budget if ad.min_budget is None else ad.min_budget
+            if lo <= self.window:
+                raise ValueError(f"adaptive.min_budget ({lo}) must exceed window ({self.window})")
+            hi = "the rollout length" if ad.max_budget is None else ad.max_budget
+            if not lo <= self.budget <= (ad.max_budget or self.budget):
+                raise ValueError(
+                    f"budget ({self.budget}) is where the adaptive budget starts: it must lie "
+                    f"in [adaptive.min_budget, adaptive.max_budget] = [{lo}, {hi}]"
+                )
 
     @property
     def needs_queries(self) -> bool:

@@ -171,9 +171,11 @@ class CorrectionMetrics(NamedTuple):
     `rejected_seq_fraction`: sequences left with no token (veto, sequence-level rejection, or every
     token masked); `vetoed_seq_fraction`: sequences dropped by the veto alone;
     `masked_token_fraction`: valid tokens removed from the loss for any reason; `rho_*`: the
-    clamped token ratio pi_old / mu; `mismatch_kl`: k3 estimate of KL(mu || pi_old),
-    mean of `rho - 1 - log rho`; `ess`: normalised effective sample size of the token ratios,
-    `(sum rho)^2 / (N sum rho^2)` in (0, 1].
+    clamped token ratio pi_old / mu over the valid tokens (min, mean, max, and the 1st and 5th
+    percentiles `rho_p1` / `rho_p5`, see `masked_percentile`: the tail that the mean hides,
+    after Sparrow, arXiv 2606.08446, which keeps p5 >= ~0.86); `mismatch_kl`: k3 estimate of
+    KL(mu || pi_old), mean of `rho - 1 - log rho`; `ess`: normalised effective sample size of
+    the token ratios, `(sum rho)^2 / (N sum rho^2)` in (0, 1].
     """
 
     rejected_seq_fraction: Float[Array, ""]
@@ -182,6 +184,8 @@ class CorrectionMetrics(NamedTuple):
     rho_min: Float[Array, ""]
     rho_mean: Float[Array, ""]
     rho_max: Float[Array, ""]
+    rho_p1: Float[Array, ""]
+    rho_p5: Float[Array, ""]
     mismatch_kl: Float[Array, ""]
     ess: Float[Array, ""]
 
@@ -207,6 +211,31 @@ def _level_log_ratio(
             sum_b1 = sum_b1 / jnp.maximum(jnp.sum(m_bt, axis=1, keepdims=True), 1.0)
         out_bt = jnp.broadcast_to(sum_b1, raw_bt.shape)
     return jnp.clip(out_bt, -bound, bound)
+
+
+def masked_percentile(
+    x_bt: Float[Array, "B T"], valid_bt: Bool[Array, "B T"], q: int
+) -> Float[Array, ""]:
+    """The `q`-th percentile (an int in [0, 100]) of `x` over the entries where `valid_bt`;
+    1.0 when there are none (the ratio metrics' "no mismatch" value).
+
+    Definition (numpy's default `method="linear"`): sort the N valid values ascending,
+    `v_0 <= ... <= v_{N-1}`; with `h = q (N - 1) / 100`, the percentile is
+    `v_floor(h) + (h - floor(h)) (v_floor(h)+1 - v_floor(h))`. `h` is split into its integer
+    and fractional parts in integer arithmetic, so the index is exact for any N. One sort of
+    the `B*T` entries (padding sorts last).
+    """
+    if not (isinstance(q, int) and 0 <= q <= 100):
+        raise ValueError(f"q must be an int percentile in [0, 100], got {q!r}")
+    n = jnp.sum(valid_bt.astype(jnp.int32))
+    sorted_n = jnp.sort(jnp.where(valid_bt, x_bt.astype(jnp.float32), jnp.inf).reshape(-1))
+    # Only entries below N are ever read; zero the padding so no inf - inf appears anywhere.
+    sorted_n = jnp.where(jnp.arange(sorted_n.shape[0]) < n, sorted_n, 0.0)
+    scaled = q * jnp.maximum(n - 1, 0)
+    lo, frac = scaled // 100, (scaled % 100).astype(jnp.float32) / 100.0
+    hi = jnp.minimum(lo + 1, jnp.maximum(n - 1, 0))
+    value = sorted_n[lo] + frac * (sorted_n[hi] - sorted_n[lo])
+    return jnp.where(n > 0, value, 1.0)
 
 
 def sparse_rl_weights(
@@ -291,6 +320,8 @@ def sparse_rl_weights(
         rho_min=jnp.where(has_tokens, jnp.min(jnp.where(valid_bt, rho_bt, jnp.inf)), 1.0),
         rho_mean=jnp.where(has_tokens, rho_sum / safe_n, 1.0),
         rho_max=jnp.where(has_tokens, jnp.max(jnp.where(valid_bt, rho_bt, -jnp.inf)), 1.0),
+        rho_p1=masked_percentile(rho_bt, valid_bt, 1),
+        rho_p5=masked_percentile(rho_bt, valid_bt, 5),
         mismatch_kl=jnp.sum((rho_bt - 1.0 - log_rho_bt) * m_bt) / safe_n,
         ess=jnp.where(
             has_tokens, rho_sum**2 / (safe_n * jnp.maximum(jnp.sum(rho_bt**2 * m_bt), 1e-30)), 1.0

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from sparserl_jax.kvcache import CompressionConfig
+from sparserl_jax.kvcache import CompressionConfig, budget_ladder
 from sparserl_jax.kvcache.config import cdiv
 
 
@@ -29,7 +29,8 @@ class RolloutConfig:
       n_samples: completions per prompt (a GRPO group), rows `i * n_samples + j`.
       chunk_steps: decode steps per jitted chunk; the host syncs once per chunk.
       seed: the run seed; request keys derive from `(seed, i, j)` unless per-prompt seeds given.
-      kv: KV compression; None or policy "none" keeps every token (dense).
+      kv: KV compression; None or policy "none" keeps every token (dense). `kv.adaptive`
+        moves its budget between RL steps over `kv_ladder` (one engine per rung).
       page_size: tokens per KV page.
       num_pages: pages in the pool; None sizes it for `num_slots` slots at their worst case.
     """
@@ -79,6 +80,21 @@ class RolloutConfig:
                 f"{self.pages_per_slot} pages (max_prompt_len + max_new_tokens, or the "
                 "compression budget + interval); use None to size the pool automatically"
             )
+
+        if self.sparse and self.kv.adaptive.enabled:
+            # Validates the ladder now, with the rollout length, and a fixed num_pages against
+            # the top rung's worst case.
+            self.with_budget(self.kv_ladder[-1])
+
+    @property
+    def kv_ladder(self) -> tuple[int, ...]:
+        """The budgets `kv.adaptive` may pick (`kvcache.budget_ladder`)."""
+        return budget_ladder(self.kv, page_size=self.page_size, max_len=self.max_len)
+
+    def with_budget(self, budget: int) -> RolloutConfig:
+        """This config at KV budget `budget`, with the controller off (what one engine runs)."""
+        kv = dataclasses.replace(self.kv, budget=budget, adaptive=type(self.kv.adaptive)())
+        return dataclasses.replace(self, kv=kv)
 
     @property
     def sparse(self) -> bool:

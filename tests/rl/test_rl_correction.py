@@ -14,6 +14,7 @@ from sparserl_jax.rl import (
     aggregate_loss,
     sparse_rl_weights,
 )
+from sparserl_jax.rl.correction import masked_percentile
 
 # Three sequences, five positions; column 0 is the prompt. Row 2 is an empty completion.
 MASK = jnp.array([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]], bool)
@@ -40,6 +41,10 @@ def test_sparse_rl_defaults_hand_computed():
     assert float(m.rho_min) == pytest.approx(1e-5, rel=1e-5)
     assert float(m.rho_max) == pytest.approx(2.0, rel=1e-6)
     assert float(m.rho_mean) == pytest.approx(VALID_RHO.mean(), rel=1e-6)
+    # Sorted valid ratios: 1e-5, 0.8, 1.0, 1.2, 2.0 (N = 5). p5: h = 0.05 * 4 = 0.2, between
+    # the two smallest; p1: h = 0.04.
+    assert float(m.rho_p5) == pytest.approx(1e-5 + 0.2 * (0.8 - 1e-5), rel=1e-5)
+    assert float(m.rho_p1) == pytest.approx(1e-5 + 0.04 * (0.8 - 1e-5), rel=1e-5)
     want_kl = np.mean(VALID_RHO - 1 - np.log(VALID_RHO))  # k3 of KL(mu || pi_old)
     assert float(m.mismatch_kl) == pytest.approx(want_kl, rel=1e-5)
     want_ess = VALID_RHO.sum() ** 2 / (5 * (VALID_RHO**2).sum())
@@ -144,6 +149,37 @@ def test_no_valid_tokens_at_all():
     assert float(out.metrics.rejected_seq_fraction) == 0.0
     assert float(out.metrics.ess) == 1.0
     assert float(out.metrics.rho_mean) == 1.0
+    assert float(out.metrics.rho_p5) == float(out.metrics.rho_p1) == 1.0
+
+
+def test_percentile_single_token_and_exact_index():
+    # One valid token: every percentile is that token.
+    mask = jnp.array([[False, True, False]])
+    out = sparse_rl_weights(
+        jnp.log(jnp.full((1, 3), 0.3)), jnp.log(jnp.array([[0.1, 0.6, 0.1]])), mask
+    )
+    assert float(out.metrics.rho_p5) == pytest.approx(0.5, rel=1e-6)
+    assert float(out.metrics.rho_p1) == pytest.approx(0.5, rel=1e-6)
+    # 101 valid values 0..100: p5 is exactly the value 5, p1 the value 1 (integer index).
+    x = jnp.arange(101, dtype=jnp.float32)[::-1].reshape(1, 101)
+    valid = jnp.ones((1, 101), bool)
+    assert float(masked_percentile(x, valid, 5)) == 5.0
+    assert float(masked_percentile(x, valid, 1)) == 1.0
+    with pytest.raises(ValueError, match="percentile"):
+        masked_percentile(x, valid, 5.0)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 2**31 - 1), st.sampled_from([0, 1, 5, 50, 100]))
+def test_percentile_matches_numpy(seed, q):
+    rng = np.random.default_rng(seed)
+    x = rng.lognormal(0.0, 1.0, (3, 7)).astype(np.float32)
+    valid = rng.random((3, 7)) < 0.6
+    got = float(jax.jit(masked_percentile, static_argnums=2)(x, valid, q))
+    if not valid.any():
+        assert got == 1.0
+    else:
+        assert got == pytest.approx(float(np.percentile(x[valid], q)), rel=1e-5)
 
 
 def test_weights_are_stop_gradient():

@@ -1,0 +1,115 @@
+"""The adaptive KV budget: a ladder of budgets and a hysteresis controller that walks it.
+
+Sparse rollouts trade KV memory for mismatch between the sparse sampler mu and the dense policy
+pi_old. Sparrow (arXiv 2606.08446) watches the tail of the token ratio `rho = pi_old / mu`
+rather than its mean: a run stays stable while the 5th percentile `p5` stays at or above about
+0.86. `BudgetController` holds `p5` there with the least budget it can:
+
+    after step s (its rollout used budget B_s, its correction measured p5_s):
+      p5_s < target                              -> B_{s+1} = the next rung up   (at once)
+      p5_s > target + margin for `patience` steps -> B_{s+1} = the next rung down
+      otherwise                                  -> B_{s+1} = B_s
+
+Raising is immediate and lowering waits, because a tail collapse costs more than a few steps of
+extra memory; the band `[target, target + margin]` keeps the budget from oscillating between
+two rungs. A non-finite `p5` counts as below target. The budget moves only between steps: a
+rollout always runs at one budget.
+
+Why a ladder: the budget is static in the rollout engine (it sizes the page pool and the page
+table, and the compression's top-k), so each distinct budget is a separate engine with its own
+compiled programs. `budget_ladder` allows at most `levels` budgets, `min_budget` to
+`max_budget` in equal whole-page steps; engines are built once per rung and kept (their page
+pools are allocated per rollout and freed after it, so an idle rung holds only its compiled
+code), so a run compiles at most `levels` rollout engines whatever the controller does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
+
+from sparserl_jax.kvcache.config import CompressionConfig, cdiv
+
+__all__ = ["BudgetController", "BudgetState", "budget_ladder"]
+
+
+def budget_ladder(kv: CompressionConfig, *, page_size: int, max_len: int) -> tuple[int, ...]:
+    """The budgets (tokens, ascending) the controller may pick: from `min_budget` (default
+    `kv.budget`) in steps of the smallest whole number of pages that needs at most
+    `kv.adaptive.levels` rungs, then `max_budget` (default `max_len`: nothing is evicted) as the
+    top rung (the last step may be shorter)."""
+    ad = kv.adaptive
+    lo = kv.budget if ad.min_budget is None else ad.min_budget
+    hi = max_len if ad.max_budget is None else ad.max_budget
+    if not lo < hi:
+        raise ValueError(
+            f"the adaptive budget needs min_budget < max_budget, got [{lo}, {hi}] (max_budget "
+            f"defaults to the rollout length max_prompt_len + max_new_tokens = {max_len})"
+        )
+    if not lo <= kv.budget <= hi:
+        raise ValueError(
+            f"budget ({kv.budget}) is where the adaptive budget starts: it must lie in "
+            f"[min_budget, max_budget] = [{lo}, {hi}]"
+        )
+    stride = max(1, cdiv(hi - lo, (ad.levels - 1) * page_size)) * page_size
+    return (*range(lo, hi, stride), hi)
+
+
+class BudgetState(NamedTuple):
+    """The controller's state: the budget of the next rollout, and how many steps in a row
+    `p5` has been above the band (reset by any step that is not)."""
+
+    budget: int
+    above: int = 0
+
+
+class BudgetController:
+    """The control law of the module docstring over a fixed `ladder` (optax-like: `init` and
+    `update` are pure; the state is a `BudgetState`, stored in checkpoints as a dict)."""
+
+    def __init__(
+        self, ladder: Sequence[int], *, target: float, margin: float, patience: int
+    ) -> None:
+        ladder = tuple(int(b) for b in ladder)
+        if not ladder or list(ladder) != sorted(set(ladder)):
+            raise ValueError(f"the budget ladder must be ascending and distinct, got {ladder}")
+        self.ladder, self.target, self.margin, self.patience = ladder, target, margin, patience
+
+    @classmethod
+    def from_config(cls, kv: CompressionConfig, *, page_size: int, max_len: int):
+        """The controller `kv.adaptive` describes (see `budget_ladder`)."""
+        ad = kv.adaptive
+        ladder = budget_ladder(kv, page_size=page_size, max_len=max_len)
+        return cls(ladder, target=ad.target, margin=ad.margin, patience=ad.patience)
+
+    def init(self, budget: int) -> BudgetState:
+        """Start at the lowest rung at or above `budget` (the top rung if none is)."""
+        at_or_above = [b for b in self.ladder if b >= budget]
+        return BudgetState(budget=at_or_above[0] if at_or_above else self.ladder[-1])
+
+    def update(self, state: BudgetState, rho_p5: float) -> BudgetState:
+        """The budget after a step whose correction measured `rho_p5`."""
+        i = self._index(state.budget)
+        if not (math.isfinite(rho_p5) and rho_p5 >= self.target):
+            return BudgetState(self.ladder[min(i + 1, len(self.ladder) - 1)], 0)
+        if rho_p5 <= self.target + self.margin or i == 0:  # hold (at the bottom: nowhere to go)
+            return BudgetState(state.budget, 0)
+        above = state.above + 1
+        if above >= self.patience:
+            return BudgetState(self.ladder[i - 1], 0)
+        return BudgetState(state.budget, above)
+
+    def restore(self, saved: Mapping[str, Any]) -> BudgetState:
+        """A state saved as `state._asdict()` (checkpoint meta), checked against the ladder."""
+        state = BudgetState(budget=int(saved["budget"]), above=int(saved.get("above", 0)))
+        self._index(state.budget)
+        return state
+
+    def _index(self, budget: int) -> int:
+        if budget not in self.ladder:
+            raise ValueError(
+                f"KV budget {budget} is not on the adaptive ladder {self.ladder} (a checkpoint "
+                "from a run with other rollout.kv.adaptive settings?)"
+            )
+        return self.ladder.index(budget)

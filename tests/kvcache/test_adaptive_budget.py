@@ -1,0 +1,150 @@
+"""The adaptive KV budget: the ladder, the hysteresis control law, and its config checks."""
+
+from pathlib import Path
+
+import pytest
+from flax import nnx
+
+from sparserl_jax.config import ConfigError, load_config
+from sparserl_jax.kvcache import (
+    AdaptiveBudgetConfig,
+    BudgetController,
+    BudgetState,
+    CompressionConfig,
+    budget_ladder,
+)
+from sparserl_jax.rollout import RolloutConfig
+from sparserl_jax.sampler import Sampler
+from sparserl_jax.testing import tiny_model
+
+TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
+
+
+def controller(patience=2):
+    return BudgetController((16, 32, 48, 64), target=0.86, margin=0.05, patience=patience)
+
+
+def test_raise_at_once_below_target():
+    c = controller()
+    s = c.init(32)
+    assert s == BudgetState(32, 0)
+    assert c.update(s, 0.85) == BudgetState(48, 0)
+    assert c.update(BudgetState(32, 1), 0.2) == BudgetState(48, 0)  # resets the streak
+    assert c.update(s, float("nan")) == BudgetState(48, 0)  # unknown tail: be safe
+
+
+def test_lower_after_patience_above_the_band():
+    c = controller(patience=2)
+    s = c.update(BudgetState(48, 0), 0.95)
+    assert s == BudgetState(48, 1)  # one step above: wait
+    assert c.update(s, 0.95) == BudgetState(32, 0)  # two in a row: one rung down
+    assert controller(patience=1).update(BudgetState(48, 0), 0.95) == BudgetState(32, 0)
+
+
+def test_hysteresis_band_holds_and_resets_streak():
+    c = controller()
+    # Inside [target, target + margin] = [0.86, 0.91]: hold, and forget any streak.
+    for p5 in (0.86, 0.88, 0.91):
+        assert c.update(BudgetState(48, 1), p5) == BudgetState(48, 0)
+    # A p5 oscillating across the lower bound of the band never lowers the budget.
+    s = BudgetState(48, 0)
+    for p5 in (0.95, 0.9, 0.95, 0.9, 0.95):
+        s = c.update(s, p5)
+    assert s.budget == 48
+
+
+def test_clamped_to_the_ladder():
+    c = controller(patience=1)
+    assert c.update(BudgetState(64, 0), 0.1) == BudgetState(64, 0)
+    assert c.update(BudgetState(16, 0), 0.99) == BudgetState(16, 0)
+    assert c.init(10) == BudgetState(16, 0)
+    assert c.init(40) == BudgetState(48, 0)  # the lowest rung at or above
+    assert c.init(100) == BudgetState(64, 0)
+    with pytest.raises(ValueError, match="not on the adaptive ladder"):
+        c.update(BudgetState(40, 0), 0.9)
+
+
+def test_restore_round_trip_and_checks():
+    c = controller()
+    s = BudgetState(48, 1)
+    assert c.restore(s._asdict()) == s
+    with pytest.raises(ValueError, match=r"KV budget 40 is not on the adaptive ladder"):
+        c.restore({"budget": 40, "above": 0})
+    with pytest.raises(ValueError, match="ascending"):
+        BudgetController((32, 16), target=0.86, margin=0.05, patience=1)
+
+
+def test_ladder_page_steps_and_levels():
+    kv = CompressionConfig(budget=12, window=4, adaptive=AdaptiveBudgetConfig(enabled=True))
+    # From 12 to 32 in 6 rungs at most: stride = ceil(20 / (5 * 4)) pages = 1 page of 4.
+    assert budget_ladder(kv, page_size=4, max_len=32) == (12, 16, 20, 24, 28, 32)
+    # A long rollout still gets at most `levels` rungs, each step a whole number of pages.
+    ladder = budget_ladder(kv, page_size=16, max_len=4096)
+    assert len(ladder) <= 6 and ladder[0] == 12 and ladder[-1] == 4096
+    assert {b - a for a, b in zip(ladder[:-2], ladder[1:-1], strict=True)} == {ladder[1] - 12}
+    assert (ladder[1] - 12) % 16 == 0
+    kv2 = CompressionConfig(
+        budget=64, adaptive=AdaptiveBudgetConfig(enabled=True, min_budget=32, max_budget=96)
+    )
+    assert budget_ladder(kv2, page_size=16, max_len=4096) == (32, 48, 64, 80, 96)
+    assert controller().init(64) == BudgetState(64, 0)
+
+
+def test_config_section_and_validation():
+    cfg = load_config(
+        TINY, ["rollout.kv.adaptive.enabled=true", "rollout.kv.adaptive.max_budget=24"]
+    )
+    assert cfg.rollout.kv.adaptive.target == 0.86
+    assert cfg.rollout.kv_ladder == (12, 16, 20, 24)
+    assert load_config(TINY).rollout.kv.adaptive.enabled is False  # off by default
+    with pytest.raises(ConfigError, match=r"unknown key 'rollout.kv.adaptive.targt'.*'target'"):
+        load_config(TINY, ["rollout.kv.adaptive.targt=0.9"])
+    with pytest.raises(ConfigError, match=r"rollout.kv.adaptive.margin = 'x'"):
+        load_config(TINY, ["rollout.kv.adaptive.margin=x"])
+    bad = [
+        (["rollout.kv.adaptive.target=1.5"], r"target must be in \(0, 1\]"),
+        (["rollout.kv.adaptive.margin=0"], "hysteresis band"),
+        (["rollout.kv.adaptive.levels=1"], "levels must be >= 2"),
+        (["rollout.kv.adaptive.min_budget=16"], r"must lie in .*\[16, the rollout length\]"),
+        (["rollout.kv.adaptive.min_budget=4"], r"min_budget \(4\) must exceed window"),
+        (["rollout.kv.adaptive.max_budget=10"], r"\[12, 10\]"),
+        (["rollout.kv.budget=32"], r"min_budget < max_budget, got \[32, 32\]"),
+        (["rollout.kv.policy=none"], "needs a compression policy"),
+        # 7 pages hold a slot at budget 12 (6 pages) but not at the top rung, 32 (8).
+        (["rollout.num_pages=7"], "num_pages=7 cannot hold one sequence"),
+    ]
+    for overrides, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            load_config(TINY, ["rollout.kv.adaptive.enabled=true", *overrides])
+    with pytest.raises(ConfigError, match="generate.kv.adaptive"):
+        load_config(TINY, ["generate.kv.policy=rkv", "generate.kv.adaptive.enabled=true"])
+
+
+def test_sampler_switches_budgets_compiling_once_per_rung():
+    """Each budget's engines are built once and kept: going back to a budget reuses its
+    compiled programs, and a smaller budget rolls out in a smaller peak KV."""
+    model = tiny_model(seed=3)
+    rollout = RolloutConfig(
+        num_slots=2,
+        max_prompt_len=6,
+        max_new_tokens=24,
+        chunk_steps=8,
+        page_size=4,
+        kv=CompressionConfig(policy="streaming", budget=8, window=2, interval=4, sink_tokens=1),
+    )
+    params = nnx.to_pure_dict(nnx.state(model))
+    sampler = Sampler.create(model, params, rollout, shardings={}, publish_dtype=None)
+    assert sampler.kv_budget == 8 and sampler.engine.config.kv.budget == 8
+    prompts = [[5, 6, 7], [9, 10]]
+    peaks = {}
+    for budget in (8, 16, 8, 16, 8):
+        sampler.set_kv_budget(budget)
+        res = sampler.engine.generate(prompts)
+        peaks.setdefault(budget, res.stats["kv_peak_bytes"])
+        assert res.stats["kv_peak_bytes"] == peaks[budget]
+    assert sorted(sampler.by_budget) == [8, 16]
+    for engine, eval_engine in sampler.by_budget.values():
+        assert engine._chunk._cache_size() == engine._prefill._cache_size() == 1
+        assert eval_engine.config.temperature == 0.0
+    assert peaks[8] < peaks[16]
+    assert sampler.by_budget[16][0].config.kv.budget == 16

@@ -131,7 +131,10 @@ def run(cfg: BenchConfig, log=None) -> dict:
         blob = transport.get(out.version, "patch")
         expect = [np.asarray(e) for e in jax.tree.leaves(published_bits(master))]
         rec_apply, identical = {}, True
-        for name, rc in receivers.items():
+        order = list(receivers)
+        order = order[step % len(order) :] + order[: step % len(order)]  # no receiver always first
+        for name in order:
+            rc = receivers[name]
             ta, ca = time.perf_counter(), time.process_time()
             with CompileCount() as cc:
                 rc.apply(blob)

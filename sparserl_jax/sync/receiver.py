@@ -47,9 +47,8 @@ from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
 from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, to_bits
 from sparserl_jax.sync.transport import Transport
 
-# A leaf's changes are scattered in chunks of one fixed size per leaf (`scatter_chunk`), the last
-# one padded with no-op entries, so a leaf costs at most two scatter programs (the first chunk
-# copies the held array, later chunks update that copy in place) whatever its change counts.
+# The first chunk of a leaf copies the held array (kept until the digests are proven), later
+# chunks update that copy in place (donated): two programs per leaf signature.
 MIN_CHUNK = 1 << 12
 MAX_CHUNK = 1 << 20
 

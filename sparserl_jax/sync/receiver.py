@@ -11,8 +11,8 @@ from the elements the patch wrote instead of recomputed; see `Receiver`.)
 
 The scatter takes each leaf's changes in chunks of one fixed size per leaf (`scatter_chunk`), the
 last padded with no-op entries, so a steady run compiles a bounded number of programs: at most
-two scatters and one digest per distinct (shape, dtype, sharding) of a leaf, whatever the change
-counts (`sparserl_jax.compiles` counts them).
+two scatters (per verify mode) and one digest per distinct (shape, dtype, sharding) of a leaf,
+whatever the change counts (`sparserl_jax.compiles` counts them).
 
 Catch-up (PULSE / grail): from the current version apply the chain of patches `v+1, v+2, ...`;
 when one is missing or refused, jump to the newest anchor in `(version, target]` and continue from
@@ -73,8 +73,8 @@ def _unravel(flat, shape: tuple[int, ...]) -> tuple:
     return (flat, *reversed(idx))
 
 
-def _scatter_body(arr, flat, vals, xor, *, sharding: Sharding):
-    """Write one chunk; return the new array and the digest change of the elements written.
+def _scatter_body(arr, flat, vals, xor, *, sharding: Sharding, digest: bool):
+    """Write one chunk; return the new array and (if `digest`) the digest change of the chunk.
 
     `flat`: uint32 flat indices, sorted, padded with `numel` (dropped by the scatter, masked from
     the digest). `vals`: new bits, or `new ^ old` when `xor` (a traced flag: no program per mode).
@@ -86,6 +86,9 @@ def _scatter_body(arr, flat, vals, xor, *, sharding: Sharding):
     idx = _unravel(flat, bits.shape)
     old = bits.at[idx].get(mode="fill", fill_value=0)
     bits = bits.at[idx].set(jnp.where(xor, vals ^ old, vals), mode="drop", indices_are_sorted=True)
+    out = lax.with_sharding_constraint(from_bits(bits.reshape(arr.shape), arr.dtype), sharding)
+    if not digest:
+        return out, None
     new = bits.at[idx].get(mode="fill", fill_value=0)
     o32, n32 = old.astype(jnp.uint32), new.astype(jnp.uint32)
     zero = jnp.zeros_like(flat)
@@ -98,12 +101,11 @@ def _scatter_body(arr, flat, vals, xor, *, sharding: Sharding):
             for k in range(2)
         ]
     )
-    out = from_bits(bits.reshape(arr.shape), arr.dtype)
-    return lax.with_sharding_constraint(out, sharding), delta
+    return out, delta
 
 
-_scatter_first = jax.jit(_scatter_body, static_argnames=("sharding",))
-_scatter_more = jax.jit(_scatter_body, static_argnames=("sharding",), donate_argnums=0)
+_scatter_first = jax.jit(_scatter_body, static_argnames=("sharding", "digest"))
+_scatter_more = jax.jit(_scatter_body, static_argnames=("sharding", "digest"), donate_argnums=0)
 
 
 def scatter_changes(
@@ -114,12 +116,14 @@ def scatter_changes(
     xor: bool,
     sharding: Sharding,
     chunk: int | None = None,
-) -> tuple[jax.Array, np.ndarray]:
+    digest: bool = True,
+) -> tuple[jax.Array, np.ndarray | None]:
     """A new array equal to `arr` with the bits at sorted flat `index` set to `vals` (or XORed).
 
-    Returns it with the change of the leaf digest (two uint32 lanes), computed on device from the
-    old and the written bits: `digest(new) = digest(arr) + change` (mod 2**32). `arr` itself is
-    left as it was. The scatter runs in chunks of `chunk` entries (default `scatter_chunk`).
+    Returns it with the change of the leaf digest (two uint32 lanes; None unless `digest`),
+    computed on device from the old and the written bits: `digest(new) = digest(arr) + change`
+    (mod 2**32). `arr` itself is left as it was. The scatter runs in chunks of `chunk` entries
+    (default `scatter_chunk`).
     """
     numel = int(np.prod(arr.shape, dtype=np.int64))
     if numel >= 2**32 - 1:
@@ -141,8 +145,11 @@ def scatter_changes(
             jax.device_put(v, rep),
             jax.device_put(np.bool_(xor), rep),
             sharding=sharding,
+            digest=digest,
         )
         deltas.append(d)
+    if not digest:
+        return out, None
     change = np.zeros((2,), np.uint32)
     for d in deltas:
         change += np.asarray(d, np.uint32)  # wraps mod 2**32, as the digest does
@@ -277,7 +284,12 @@ class Receiver:
                 dense.append(name)
                 continue
             arrays[name], changes[name] = scatter_changes(
-                arrays[name], t.index, t.bits, xor=t.xor, sharding=sharding
+                arrays[name],
+                t.index,
+                t.bits,
+                xor=t.xor,
+                sharding=sharding,
+                digest=self.verify == "touched",
             )
         if self.verify == "all":
             names = [s.name for s in specs]

@@ -6,6 +6,11 @@ updates. After every step the fp32 master is published as bf16 via `Publisher`, 
 `InProcessTransport` and applied by a `Receiver`; each step's receiver bits are compared with an
 independent `bits(bf16(master))`. Figures: changed elements, payload bytes vs dense bf16 and
 zstd(dense bf16), bytes per changed element, and encode/apply throughput.
+
+Every patch is applied by three receivers side by side: `Receiver(verify="all")` (the default),
+`Receiver(verify="touched")` and the pre-issue-19 apply (`benchmarks.sync_apply_v1`, "before"),
+each timed and checked bit for bit. The XLA executables built during each step's publish and
+each receiver's apply are counted (`sparserl_jax.compiles`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import optax
 from flax import nnx
 
 from benchmarks.bigram import stream
+from benchmarks.sync_apply_v1 import ReceiverV1
+from sparserl_jax.compiles import CompileCount
 from sparserl_jax.models import Transformer, model_preset
 from sparserl_jax.sync.codec import CodecConfig
 from sparserl_jax.sync.publisher import Publisher, SyncConfig
@@ -98,33 +105,53 @@ def run(cfg: BenchConfig, log=None) -> dict:
     transport = InProcessTransport()
     pub = Publisher(transport, config=sync_cfg)
     device = jax.devices()[-1]  # the sampler's device (the last fake CPU device when several)
-    rc = Receiver(lambda name, shape: jax.sharding.SingleDeviceSharding(device))
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    receivers = {
+        "all": Receiver(lambda name, shape: sharding),
+        "touched": Receiver(lambda name, shape: sharding, verify="touched"),
+        "before": ReceiverV1(lambda name, shape: sharding),
+    }
     first = pub.publish(nnx.to_pure_dict(params))
     master_per_published = sum(x.nbytes for x in jax.tree.leaves(params)) / first.dense_bytes
-    rc.sync(transport)
+    for rc in receivers.values():
+        rc.sync(transport)
     batches = map(jnp.asarray, stream(vocab, cfg.batch, cfg.seq_len, cfg.seed + 1))
-    steps, enc_s, enc_cpu_s, app_s, scanned = [], 0.0, 0.0, 0.0, 0
+    steps, enc_s, enc_cpu_s, scanned = [], 0.0, 0.0, 0
+    app_s, app_cpu_s = dict.fromkeys(receivers, 0.0), dict.fromkeys(receivers, 0.0)
+    compiles = {k: [] for k in ("publish", *receivers)}
     for step in range(cfg.steps):
         params, opt_state, loss = train_step(params, opt_state, next(batches))
         master = nnx.to_pure_dict(params)
         jax.block_until_ready(master)
         t0, c0 = time.perf_counter(), time.process_time()
-        out = pub.publish(master)
+        with CompileCount() as cc:
+            out = pub.publish(master)
         t1, c1 = time.perf_counter(), time.process_time()
+        compiles["publish"].append(cc.total)
         blob = transport.get(out.version, "patch")
-        rc.apply(blob)
-        jax.block_until_ready(list(rc.arrays.values()))
-        t2 = time.perf_counter()
-        expect = jax.tree.leaves(published_bits(master))
-        identical = all(
-            np.array_equal(np.asarray(e), np.asarray(rc.arrays[n]).view(np.uint16))
-            for n, e in zip(pub.names, expect, strict=True)
-        )
+        expect = [np.asarray(e) for e in jax.tree.leaves(published_bits(master))]
+        rec_apply, identical = {}, True
+        order = list(receivers)
+        order = order[step % len(order) :] + order[: step % len(order)]  # no receiver always first
+        for name in order:
+            rc = receivers[name]
+            ta, ca = time.perf_counter(), time.process_time()
+            with CompileCount() as cc:
+                rc.apply(blob)
+                jax.block_until_ready(list(rc.arrays.values()))
+            rec_apply[name] = (time.perf_counter() - ta, time.process_time() - ca)
+            compiles[name].append(cc.total)
+            identical &= all(
+                np.array_equal(e, np.asarray(rc.arrays[n]).view(np.uint16))
+                for n, e in zip(pub.names, expect, strict=True)
+            )
         # Anchors (every K versions) are timed apart: encode GB/s is the per-step patch path.
         if step or cfg.steps == 1:  # step 1 includes jit compilation
             enc_s += t1 - t0 - out.anchor_s
             enc_cpu_s += c1 - c0 - out.anchor_cpu_s
-            app_s += t2 - t1
+            for name, (w, c) in rec_apply.items():
+                app_s[name] += w
+                app_cpu_s[name] += c
             scanned += out.dense_bytes
         changed = out.total_changed
         rec = {
@@ -142,7 +169,13 @@ def run(cfg: BenchConfig, log=None) -> dict:
             "extract_s": out.extract_s,
             "codec_s": out.encode_s,
             "anchor_s": out.anchor_s,
-            "apply_s": t2 - t1,
+            "apply_s": rec_apply["all"][0],
+            "apply_touched_s": rec_apply["touched"][0],
+            "apply_before_s": rec_apply["before"][0],
+            "compiles_publish": compiles["publish"][-1],
+            "compiles_apply": compiles["all"][-1],
+            "compiles_apply_touched": compiles["touched"][-1],
+            "compiles_apply_before": compiles["before"][-1],
         }
         steps.append(rec)
         if log is not None:
@@ -152,6 +185,11 @@ def run(cfg: BenchConfig, log=None) -> dict:
                     f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in rec.items()
                 )
             )
+    applied = {
+        f"apply{'' if k == 'all' else '_' + k}_{unit}": scanned / secs[k] / 1e9
+        for k in receivers
+        for unit, secs in (("gb_per_s", app_s), ("gb_per_cpu_s", app_cpu_s))
+    }
     return {
         "params": first.numel,
         "lr": cfg.lr,
@@ -167,7 +205,15 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "encode_master_gb_per_s": scanned * master_per_published / enc_s / 1e9,
         # Per CPU-second of this process (all its threads): less sensitive to a shared machine.
         "encode_gb_per_cpu_s": scanned / enc_cpu_s / 1e9,
-        "apply_gb_per_s": scanned / app_s / 1e9,
+        # Apply GB/s of published bf16 bytes, per receiver: "apply" is verify="all" (default),
+        # "apply_touched" verify="touched", "apply_before" the pre-issue-19 apply.
+        **applied,
+        # XLA executables built per step (publish and each receiver's apply), and the last step
+        # (1-based) that built any: flat after it.
+        "compiles_per_step": compiles,
+        "last_compiling_step": {
+            k: max((i + 1 for i, n in enumerate(v) if n), default=0) for k, v in compiles.items()
+        },
         "loadavg_1m": os.getloadavg()[0],  # other work on the machine slows every timing
         "all_bit_identical": all(s["bit_identical"] for s in steps),
     }

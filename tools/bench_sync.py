@@ -2,7 +2,8 @@
 
     python tools/bench_sync.py --lr 1e-6 --steps 10 --json
 
-Prints progress to stderr and, with --json, one JSON line last on stdout (see
+Prints one line per step to stderr (sizes, timings, and the XLA executables built by the publish
+and by each receiver's apply: `compiles_*`) and, with --json, one JSON line last on stdout (see
 `benchmarks.sync.run`).
 """
 
@@ -35,7 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     if a.json:
         print(json.dumps(result), flush=True)
     else:
-        keys = ("params", "lr", "ratio_median", "bytes_per_changed_median", "encode_gb_per_s")
+        keys = (
+            "params", "lr", "ratio_median", "bytes_per_changed_median", "encode_gb_per_cpu_s",
+            "apply_gb_per_s", "apply_touched_gb_per_s", "apply_before_gb_per_s",
+            "last_compiling_step", "all_bit_identical",
+        )  # fmt: skip
         print({k: result[k] for k in keys})
 
 

@@ -6,7 +6,13 @@ the held state's digest; an anchor must be newer than the current version), (2) 
 accepted every checksum, size, offset and index, and (3) after the scatter the per-leaf digests of
 the *new device arrays* equal the publisher's and so does the full-state digest. JAX arrays are
 immutable: the new state is built beside the old one and swapped in only after (3), so a refused
-patch never leaves weights half-applied.
+patch never leaves weights half-applied. (With `verify="touched"` the digests in (3) are updated
+from the elements the patch wrote instead of recomputed; see `Receiver`.)
+
+The scatter takes each leaf's changes in chunks of one fixed size per leaf (`scatter_chunk`), the
+last padded with no-op entries, so a steady run compiles a bounded number of programs: at most
+two scatters (per verify mode) and one digest per distinct (shape, dtype, sharding) of a leaf,
+whatever the change counts (`sparserl_jax.compiles` counts them).
 
 Catch-up (PULSE / grail): from the current version apply the chain of patches `v+1, v+2, ...`;
 when one is missing or refused, jump to the newest anchor in `(version, target]` and continue from
@@ -16,7 +22,6 @@ there. Anchors are published every K versions (default 10).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from collections.abc import Callable, Mapping
 from typing import Literal
@@ -39,19 +44,116 @@ from sparserl_jax.sync.errors import (
     VersionError,
 )
 from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
-from sparserl_jax.sync.mask import _leaf_digest, from_bits, to_bits
+from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, to_bits
 from sparserl_jax.sync.transport import Transport
 
+# The first chunk of a leaf copies the held array (kept until the digests are proven), later
+# chunks update that copy in place (donated): two programs per leaf signature.
+MIN_CHUNK = 1 << 12
+MAX_CHUNK = 1 << 20
 
-@functools.partial(jax.jit, static_argnames=("xor", "sharding"))
-def _scatter(arr, idx_nm, vals, *, xor: bool, sharding: Sharding):
-    """Write value bits at (padded) multi-indices; padding points past axis 0 and is dropped."""
-    bits = to_bits(arr, None)
-    idx = tuple(idx_nm[i] for i in range(arr.ndim))
-    if xor:
-        vals = vals ^ bits.at[idx].get(mode="fill", fill_value=0)
-    bits = bits.at[idx].set(vals, mode="drop", indices_are_sorted=True)
-    return lax.with_sharding_constraint(from_bits(bits, arr.dtype), sharding)
+
+def scatter_chunk(numel: int) -> int:
+    """Entries per scatter call for a leaf of `numel` elements: a power of two near numel / 64.
+
+    Chunks of about numel / 64 keep a sparse patch (at most 2/3 of the elements, else it is sent
+    dense) to at most ~43 calls, and the padding of a small patch to a few % of one leaf pass;
+    `MIN_CHUNK` and `MAX_CHUNK` bound it for tiny and huge leaves.
+    """
+    c = 1 << max(numel // 64 - 1, 0).bit_length()
+    return max(1, min(max(c, MIN_CHUNK), MAX_CHUNK, 1 << max(numel - 1, 0).bit_length()))
+
+
+def _unravel(flat, shape: tuple[int, ...]) -> tuple:
+    """C-order multi-index of uint32 flat indices; any flat index >= numel lands past axis 0."""
+    idx = []
+    for axis in range(len(shape) - 1, 0, -1):
+        idx.append(flat % np.uint32(shape[axis]))
+        flat = flat // np.uint32(shape[axis])
+    return (flat, *reversed(idx))
+
+
+def _scatter_body(arr, flat, vals, xor, *, sharding: Sharding, digest: bool):
+    """Write one chunk; return the new array and (if `digest`) the digest change of the chunk.
+
+    `flat`: uint32 flat indices, sorted, padded with `numel` (dropped by the scatter, masked from
+    the digest). `vals`: new bits, or `new ^ old` when `xor` (a traced flag: no program per mode).
+    The digest change `sum_i h(i, new_i) - h(i, old_i)` (mod 2**32 per lane, `mask.element_hash`)
+    reads `old` from the held array and `new` back from the written one.
+    """
+    bits = to_bits(arr, None).reshape(arr.shape or (1,))
+    valid = flat < np.uint32(arr.size)
+    idx = _unravel(flat, bits.shape)
+    old = bits.at[idx].get(mode="fill", fill_value=0)
+    bits = bits.at[idx].set(jnp.where(xor, vals ^ old, vals), mode="drop", indices_are_sorted=True)
+    out = lax.with_sharding_constraint(from_bits(bits.reshape(arr.shape), arr.dtype), sharding)
+    if not digest:
+        return out, None
+    new = bits.at[idx].get(mode="fill", fill_value=0)
+    o32, n32 = old.astype(jnp.uint32), new.astype(jnp.uint32)
+    zero = jnp.zeros_like(flat)
+    delta = jnp.stack(
+        [
+            jnp.sum(
+                jnp.where(valid, element_hash(flat, n32, k) - element_hash(flat, o32, k), zero),
+                dtype=jnp.uint32,
+            )
+            for k in range(2)
+        ]
+    )
+    return out, delta
+
+
+_scatter_first = jax.jit(_scatter_body, static_argnames=("sharding", "digest"))
+_scatter_more = jax.jit(_scatter_body, static_argnames=("sharding", "digest"), donate_argnums=0)
+
+
+def scatter_changes(
+    arr: jax.Array,
+    index: np.ndarray,
+    vals: np.ndarray,
+    *,
+    xor: bool,
+    sharding: Sharding,
+    chunk: int | None = None,
+    digest: bool = True,
+) -> tuple[jax.Array, np.ndarray | None]:
+    """A new array equal to `arr` with the bits at sorted flat `index` set to `vals` (or XORed).
+
+    Returns it with the change of the leaf digest (two uint32 lanes; None unless `digest`),
+    computed on device from the old and the written bits: `digest(new) = digest(arr) + change`
+    (mod 2**32). `arr` itself is left as it was. The scatter runs in chunks of `chunk` entries
+    (default `scatter_chunk`).
+    """
+    numel = int(np.prod(arr.shape, dtype=np.int64))
+    if numel >= 2**32 - 1:
+        raise ValueError(f"leaf with {numel} elements exceeds the 2**32 - 1 element limit")
+    c = chunk or scatter_chunk(numel)
+    rep = _replicated(sharding)
+    out, deltas = arr, []
+    for k, start in enumerate(range(0, index.size, c)):
+        part = slice(start, start + c)
+        m = index[part].size
+        flat = np.full((c,), numel, np.uint32)
+        flat[:m] = index[part]
+        v = np.zeros((c,), vals.dtype)
+        v[:m] = vals[part]
+        fn = _scatter_first if k == 0 else _scatter_more
+        out, d = fn(
+            out,
+            jax.device_put(flat, rep),
+            jax.device_put(v, rep),
+            jax.device_put(np.bool_(xor), rep),
+            sharding=sharding,
+            digest=digest,
+        )
+        deltas.append(d)
+    if not digest:
+        return out, None
+    change = np.zeros((2,), np.uint32)
+    for d in deltas:
+        change += np.asarray(d, np.uint32)  # wraps mod 2**32, as the digest does
+    return out, change
 
 
 @jax.jit
@@ -67,11 +169,6 @@ def _replicated(sharding: Sharding) -> Sharding:
     raise TypeError(
         f"receiver shardings must be NamedSharding or SingleDeviceSharding, got {sharding}"
     )
-
-
-def _pad_size(n: int) -> int:
-    # Powers of two bound the number of compiled scatter shapes to ~log2(numel) per leaf.
-    return max(8, 1 << (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,9 +188,13 @@ class Receiver:
     Args:
       sharding: per leaf name, the `Sharding` of that leaf on the sampler mesh (a mapping, or a
         function `(name, shape) -> Sharding`).
-      verify: "all" recomputes every leaf's digest after each apply (the full-state check);
-        "touched" recomputes only the leaves the patch changed and reuses verified digests of the
-        others (the full-state digest is still checked).
+      verify: "all" (the default, the safe check) recomputes every leaf's digest from the device
+        arrays after each apply, so it also finds held weights corrupted anywhere. "touched" costs
+        O(changed): a leaf's digest becomes its last verified digest plus the change of the
+        elements the patch wrote (old bits read from the held array, new bits read back from the
+        written one; dense leaves are hashed in full). It proves the written elements and their
+        old values, and trusts the held bits elsewhere (those are re-proven by the next "all"
+        apply or anchor). Both compare every leaf digest and the full-state digest.
       run_id: the run to follow; None binds the receiver to the run of the first blob it accepts
         that names one. Blobs of any other run are refused (`RunMismatchError`).
       max_header_bytes, max_decoded_bytes: bounds on a blob's header and on the bytes it decodes
@@ -171,36 +272,35 @@ class Receiver:
             max_decoded_bytes=self.max_decoded_bytes,
         )
         specs = [t.spec for t in patch.tensors.values()]
-        arrays, touched = dict(self.arrays), []
+        arrays, changes, dense = dict(self.arrays), {}, []
         for name, t in patch.tensors.items():
             if t.encoding == "unchanged":
                 continue
-            touched.append(name)
-            shape = t.spec.shape
-            sharding = self.sharding_of(name, shape)
-            dtype = jnp.dtype(t.spec.dtype)
+            sharding = self.sharding_of(name, t.spec.shape)
             if t.encoding == "dense":
+                dtype = jnp.dtype(t.spec.dtype)
                 host = t.bits.view(np.bool_ if dtype == jnp.bool_ else dtype)
                 arrays[name] = jax.device_put(host, sharding)
+                dense.append(name)
                 continue
-            n = t.index.size
-            m = _pad_size(n)
-            idx_nm = np.zeros((len(shape), m), np.int32)
-            idx_nm[0, n:] = shape[0]  # out of bounds on axis 0: dropped by the scatter
-            idx_nm[:, :n] = np.stack(np.unravel_index(t.index, shape)).astype(np.int32)
-            vals = np.zeros((m,), t.bits.dtype)
-            vals[:n] = t.bits
-            rep = _replicated(sharding)
-            arrays[name] = _scatter(
+            arrays[name], changes[name] = scatter_changes(
                 arrays[name],
-                jax.device_put(idx_nm, rep),
-                jax.device_put(vals, rep),
+                t.index,
+                t.bits,
                 xor=t.xor,
                 sharding=sharding,
+                digest=self.verify == "touched",
             )
-        names = [s.name for s in specs] if self.verify == "all" else touched
-        computed = dict(self._digests) if self.verify == "touched" else {}
-        pending = {name: _digest(arrays[name]) for name in names}
+        if self.verify == "all":
+            names = [s.name for s in specs]
+            computed = {}
+        else:  # "touched": digests moved by the elements written, from the verified ones
+            names = dense + list(changes)
+            computed = dict(self._digests)
+            for name, change in changes.items():
+                computed[name] = computed[name] + change  # uint32 lanes wrap, as the digest
+        recompute = names if self.verify == "all" else dense
+        pending = {n: _digest(arrays[n]) for n in recompute}  # dispatched together, then read
         computed.update({k: np.asarray(v, np.uint32) for k, v in pending.items()})
         bad = [n for n in names if not np.array_equal(computed[n], patch.leaf_digests[n])]
         if bad or codec.state_digest(specs, computed) != patch.state_digest:

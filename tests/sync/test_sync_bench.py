@@ -20,3 +20,7 @@ def test_bench_tiny_is_bit_identical_and_reports_its_fields():
         assert s["payload_bytes"] < s["dense_bf16_bytes"] == 2 * out["params"]
         assert s["bytes_per_changed"] == s["payload_bytes"] / s["changed"]
     assert out["encode_gb_per_s"] > 0 and out["apply_gb_per_s"] > 0
+    assert out["apply_touched_gb_per_s"] > 0 and out["apply_before_gb_per_s"] > 0
+    for k in ("publish", "all", "touched", "before"):
+        assert len(out["compiles_per_step"][k]) == 2
+        assert 0 <= out["last_compiling_step"][k] <= 2

@@ -118,6 +118,8 @@ class Sampler:
     by_budget: dict[int, tuple[RolloutEngine, RolloutEngine]] = dataclasses.field(
         default_factory=dict
     )
+    # The greedy engine with the full cache (`train.eval_dense`), built on first use.
+    dense_eval_engine: RolloutEngine | None = None
 
     @classmethod
     def create(
@@ -188,18 +190,32 @@ class Sampler:
         )
 
     def evaluate(
-        self, examples: list[Example], prompts: list[list[int]], tokenizer, reward_fn
+        self,
+        examples: list[Example],
+        prompts: list[list[int]],
+        tokenizer,
+        reward_fn,
+        *,
+        dense: bool = False,
     ) -> dict[str, float]:
         """Held-out reward of the held weights on `examples` (`prompts`: their token ids): the
         mean over a group of completions per prompt sampled like the training rollouts, with
         fixed seeds (`val/reward_mean`: the policy RL improves), and of one greedy completion
-        per prompt (`val/greedy_reward_mean`)."""
+        per prompt (`val/greedy_reward_mean`); both decode with the rollouts' KV cache.
+        `dense` (with a compressed cache): also one greedy completion per prompt with the full
+        cache (`val/dense_greedy_reward_mean`)."""
         if not examples:
             return {}
         params = self.params()
         seeds = list(range(len(prompts)))
         out = {}
-        for prefix, engine in (("val/", self.engine), ("val/greedy_", self.eval_engine)):
+        engines = [("val/", self.engine), ("val/greedy_", self.eval_engine)]
+        if dense and self.kv_budget is not None:
+            if self.dense_eval_engine is None:
+                full = dataclasses.replace(self.eval_engine.config, kv=None)
+                self.dense_eval_engine = RolloutEngine(self.model, full, mesh=self.mesh)
+            engines.append(("val/dense_greedy_", self.dense_eval_engine))
+        for prefix, engine in engines:
             result = engine.generate(prompts, params=params, seeds=seeds)
             group = len(result.prompt_ids) // len(prompts)
             texts = completion_texts(result, tokenizer)

@@ -365,7 +365,9 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
 
     def evaluate(step: int, key: str, when: str) -> dict[str, float]:
         with guard.abortable(f"{key}:{step}", f"the held-out evaluation {when} step {step}"):
-            val = run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn)
+            val = run.sampler.evaluate(
+                held_out, held_prompts, run.tokenizer, run.reward_fn, dense=tcfg.eval_dense
+            )
         if val and key != "eval":
             summary[f"val_reward_{when}"] = val["val/reward_mean"]
             summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]

@@ -1,0 +1,366 @@
+"""Sparse-RL's claim on our stack: dense vs naive sparse vs corrected rollouts (issue 18 item 2).
+
+The study (`tools/repro_sparse_rl.py` is its command line):
+
+1. **One SFT warm start** (`sparserl train` with `train.steps=0`): its step-0 checkpoint is
+   copied into every run's directory, so every arm resumes from the same bits (`train` resumes
+   from the newest checkpoint in `run_dir`; a step-0 checkpoint holds the warm-started weights,
+   fresh optimizer state, no data-iterator state, so the resumed run is the run that would have
+   followed its own SFT stage, `tests/test_repro_sparse_rl.py` checks it row for row).
+2. **The signature**: the SFT model's held-out greedy reward decoded with the sparse cache at each
+   budget over the same model decoded densely, before any training (`train.steps=0` on a copy).
+3. **The arms** (`ARMS`), each run by `sparserl_jax.train.train` with dotted overrides only: the
+   same prompts (`data.seed`), hyperparameters and step count everywhere; a seed is `train.seed`
+   (the rollout keys). The dense arm does not depend on the budget: it runs once per seed, and
+   its final weights are then decoded with each budget's sparse cache (`train.steps=N` on a copy
+   of its final checkpoint: an evaluation only), the dense-trained policy's robustness to
+   eviction, to set against the sparse-trained arms'.
+
+Per run: held-out greedy reward at the end decoded densely (`val/dense_greedy_reward_mean`,
+`train.eval_dense`) and with the run's own sparse cache (`val/greedy_reward_mean`), the sampled
+held-out reward, the training reward curve, peak KV bytes, the evicted fraction of the rollout's
+tokens, the Sparse-RL masked-token / rejected-sequence fractions, and whether it collapsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sparserl_jax.build import build_tokenizer
+from sparserl_jax.config import Config, load_config
+from sparserl_jax.data import PromptLimit, encode_prompts, eval_examples
+from sparserl_jax.metrics import read_metrics
+
+__all__ = ["ARMS", "Study", "run_study", "summarise", "plot_study"]
+
+# Overrides per arm; everything else is the config's. "naive": the sparse sampler's tokens
+# trained on as if they were the dense policy's (no veto, no rejection, no reweighting);
+# "tis": truncated importance sampling alone (Yao et al. 2025), no rejection.
+ARMS: dict[str, tuple[str, ...]] = {
+    "dense": ("rollout.kv.policy=none",),
+    "naive": (
+        "learner.correction.veto=false",
+        "learner.correction.reject=false",
+        "learner.correction.reweight=false",
+    ),
+    "corrected": (),
+    "tis": ("learner.correction.veto=false", "learner.correction.reject=false"),
+    "adaptive": ("rollout.kv.adaptive.enabled=true",),
+}
+# A run collapsed when its final held-out greedy reward (decoded as it was trained) is below
+# this fraction of the SFT start's, decoded the same way, or a step skipped a non-finite update.
+COLLAPSE_FRACTION = 0.5
+_QUIET = ("train.progress=false", "train.plot=false")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Study:
+    """What to run. `budgets`: KV budgets in tokens (None: L/8, L/4, L/2 of the config's rollout
+    length L = max_prompt_len + max_new_tokens); `overrides`: applied to every run first."""
+
+    config: str
+    out_dir: str
+    arms: tuple[str, ...] = tuple(ARMS)
+    budgets: tuple[int, ...] | None = None
+    seeds: tuple[int, ...] = (0, 1, 2)
+    steps: int | None = None  # None: the config's train.steps
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown:
+            raise ValueError(f"arms {unknown} unknown; expected some of {tuple(ARMS)}")
+        if not self.seeds:
+            raise ValueError("seeds must not be empty")
+
+    def cfg(self, *overrides: str) -> Config:
+        extra = () if self.steps is None else (f"train.steps={self.steps}",)
+        return load_config(self.config, [*self.overrides, *extra, *_QUIET, *overrides])
+
+    def resolved_budgets(self) -> tuple[int, ...]:
+        if self.budgets:
+            return tuple(self.budgets)
+        length = self.cfg().rollout.max_len
+        return (length // 8, length // 4, length // 2)
+
+
+def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
+    """`dst_run` holds checkpoint `step` of `src_run` and nothing else (a fresh directory)."""
+    if dst_run.exists():
+        shutil.rmtree(dst_run)
+    shutil.copytree(src_run / "checkpoints" / str(step), dst_run / "checkpoints" / str(step))
+
+
+def _train(cfg: Config, log: Callable[[str], None]) -> dict:
+    from sparserl_jax.train import train
+
+    return train(cfg, log_fn=lambda m: log(f"  [{Path(cfg.run_dir).name}] {m}"))
+
+
+def _last(rows: list[dict], key: str) -> float | None:
+    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return float(vals[-1]) if vals else None
+
+
+def _mean_prompt_tokens(cfg: Config) -> float:
+    """Mean prompt length in tokens (the held-out prompts), to turn evicted counts into
+    fractions of whole sequences."""
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+    limit = PromptLimit(tokenizer, cfg.rollout.max_prompt_len)
+    examples = eval_examples(cfg.data, max(cfg.train.eval_examples, 64), limit=limit)
+    prompts = encode_prompts(examples, tokenizer, max_len=cfg.rollout.max_prompt_len)
+    return float(np.mean([len(p) for p in prompts]))
+
+
+def run_record(rows: list[dict], cfg: Config, prompt_tokens: float) -> dict[str, Any]:
+    """The figures of one run from its metrics rows (`rows[0]`: the step-0 evaluation)."""
+    steps = [r for r in rows if "critic/score/mean" in r]
+    seqs = cfg.data.batch_size * cfg.rollout.n_samples
+    evicted = [
+        r["rollout/tokens_evicted"] / (seqs * (r["response_length/mean"] + prompt_tokens))
+        for r in steps
+    ]
+
+    def mean(key: str) -> float | None:
+        vals = [r[key] for r in steps if key in r]
+        return float(np.mean(vals)) if vals else None
+
+    start, final = rows[0], rows[-1]
+    greedy0, greedy = start.get("val/greedy_reward_mean"), final.get("val/greedy_reward_mean")
+    collapsed = bool(
+        (greedy0 is not None and greedy is not None and greedy < COLLAPSE_FRACTION * greedy0)
+        or any(r.get("actor/nonfinite_skips", 0) for r in steps)
+    )
+    dense_final = final.get("val/dense_greedy_reward_mean", greedy if not cfg.rollout.sparse else None)
+    return {
+        "steps": len(steps),
+        "train_reward": [r["critic/score/mean"] for r in steps],
+        "train_reward_first3": float(np.mean([r["critic/score/mean"] for r in steps[:3]])),
+        "train_reward_last3": float(np.mean([r["critic/score/mean"] for r in steps[-3:]])),
+        "greedy_start": greedy0,
+        "greedy_final": greedy,  # decoded as the run trained: its own cache
+        "dense_greedy_start": start.get(
+            "val/dense_greedy_reward_mean", greedy0 if not cfg.rollout.sparse else None
+        ),
+        "dense_greedy_final": dense_final,
+        "sampled_final": final.get("val/reward_mean"),
+        "peak_kv_bytes": int(max(r["rollout/kv_peak_bytes"] for r in steps)) if steps else None,
+        "evicted_fraction": float(np.mean(evicted)) if evicted else None,
+        "masked_token_fraction": mean("correction/masked_token_fraction"),
+        "rejected_seq_fraction": mean("correction/rejected_seq_fraction"),
+        "mismatch_kl": mean("correction/mismatch_kl"),
+        "rho_p5": mean("correction/rho_p5"),
+        "kv_budget_mean": mean("rollout/kv_budget"),
+        "collapsed": collapsed,
+    }
+
+
+def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run everything `study` names; returns the raw records (`summarise` reduces them)."""
+    out = Path(study.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    budgets = study.resolved_budgets()
+    t0 = time.perf_counter()
+
+    # 1. The shared SFT warm start: step 0 of this run is every arm's start.
+    sft_dir = out / "sft"
+    if not (sft_dir / "checkpoints" / "0").exists():
+        log(f"SFT warm start -> {sft_dir}")
+        _train(study.cfg(f"run_dir={sft_dir}", "train.steps=0", "train.eval_examples=0"), log)
+    base = study.cfg()
+    prompt_tokens = _mean_prompt_tokens(base)
+
+    # 2. The signature: the SFT model decoded sparse vs dense at each budget, no training.
+    signature = {}
+    for b in budgets:
+        run_dir = out / "signature" / f"b{b}"
+        _copy_checkpoint(sft_dir, 0, run_dir)
+        cfg = study.cfg(
+            f"run_dir={run_dir}", "train.steps=0", f"rollout.kv.budget={b}", "train.eval_dense=true"
+        )
+        _train(cfg, log)
+        row = read_metrics(run_dir)[0]
+        sparse, dense = row["val/greedy_reward_mean"], row["val/dense_greedy_reward_mean"]
+        signature[b] = {
+            "sparse_greedy": sparse,
+            "dense_greedy": dense,
+            "ratio": sparse / dense if dense else None,
+            "sparse_sampled": row["val/reward_mean"],
+            "sparse_response_length": row["val/greedy_response_length_mean"],
+            "dense_response_length": row["val/dense_greedy_response_length_mean"],
+        }
+        log(f"signature b={b}: sparse {sparse:.3f} / dense {dense:.3f}")
+
+    # 3. The arms.
+    runs: list[dict[str, Any]] = []
+    for seed in study.seeds:
+        for arm in study.arms:
+            for b in budgets if arm != "dense" else (None,):
+                name = f"{arm}_s{seed}" + ("" if b is None else f"_b{b}")
+                run_dir = out / "runs" / name
+                _copy_checkpoint(sft_dir, 0, run_dir)
+                overrides = [
+                    f"run_dir={run_dir}",
+                    f"train.seed={seed}",
+                    "train.eval_dense=true",
+                    *ARMS[arm],
+                ]
+                if b is not None:
+                    overrides.append(f"rollout.kv.budget={b}")
+                cfg = study.cfg(*overrides)
+                log(f"run {name} ({time.perf_counter() - t0:.0f}s into the study)")
+                _train(cfg, log)
+                rec = run_record(read_metrics(run_dir), cfg, prompt_tokens)
+                runs.append({"arm": arm, "budget": b, "seed": seed, "name": name, **rec})
+                if arm == "dense":
+                    runs[-1]["sparse_decoded"] = _decode_sparse(
+                        study, run_dir, cfg.train.steps, budgets, log
+                    )
+    return {
+        "config": study.config,
+        "budgets": list(budgets),
+        "rollout_length": base.rollout.max_len,
+        "prompt_tokens_mean": prompt_tokens,
+        "signature": signature,
+        "runs": runs,
+        "wall_s": time.perf_counter() - t0,
+    }
+
+
+def _decode_sparse(
+    study: Study, dense_run: Path, step: int, budgets: Sequence[int], log
+) -> dict[int, float]:
+    """The dense arm's final weights decoded greedily with each budget's sparse cache."""
+    out = {}
+    for b in budgets:
+        run_dir = dense_run.parent / f"{dense_run.name}_decode_b{b}"
+        _copy_checkpoint(dense_run, step, run_dir)
+        cfg = study.cfg(f"run_dir={run_dir}", f"train.steps={step}", f"rollout.kv.budget={b}")
+        summary = _train(cfg, log)
+        out[b] = summary["val_greedy_reward_before"]
+    return out
+
+
+def summarise(raw: dict[str, Any]) -> dict[str, Any]:
+    """Per (arm, budget): means (and spread) over seeds, each against the dense arm, and the
+    issue's targets checked at every budget of at most L/4."""
+    runs = raw["runs"]
+    dense = [r for r in runs if r["arm"] == "dense"]
+    dense_final = _stat([r["dense_greedy_final"] for r in dense])
+    dense_kv = _stat([r["peak_kv_bytes"] for r in dense])
+    cells = []
+    for b in raw["budgets"]:
+        for arm in dict.fromkeys(r["arm"] for r in runs):
+            group = [r for r in runs if r["arm"] == arm and r["budget"] in (b, None)]
+            if not group:
+                continue
+            cell = {"arm": arm, "budget": b, "seeds": len(group)}
+            for key in (
+                "dense_greedy_final",
+                "greedy_final",
+                "sampled_final",
+                "train_reward_first3",
+                "train_reward_last3",
+                "peak_kv_bytes",
+                "evicted_fraction",
+                "masked_token_fraction",
+                "rejected_seq_fraction",
+                "mismatch_kl",
+                "rho_p5",
+                "kv_budget_mean",
+            ):
+                cell[key] = _stat([r[key] for r in group])
+            if arm == "dense":
+                cell["greedy_final"] = _stat([r["sparse_decoded"][b] for r in group])
+            cell["collapsed"] = sum(r["collapsed"] for r in group)
+            if dense_final["mean"]:
+                cell["dense_greedy_vs_dense"] = cell["dense_greedy_final"]["mean"] / dense_final[
+                    "mean"
+                ]
+            if dense_kv["mean"] and cell["peak_kv_bytes"]["mean"] is not None:
+                cell["peak_kv_vs_dense"] = cell["peak_kv_bytes"]["mean"] / dense_kv["mean"]
+            cells.append(cell)
+    return {"cells": cells, "targets": _targets(raw, cells)}
+
+
+def _stat(values) -> dict[str, float | None]:
+    vals = [float(v) for v in values if v is not None]
+    if not vals:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": float(np.mean(vals)), "min": min(vals), "max": max(vals)}
+
+
+def _targets(raw: dict, cells: list[dict]) -> list[dict]:
+    """The issue's targets at each budget <= L/4: corrected >= 97% of dense (dense-decoded
+    held-out greedy, mean over seeds) with >= half the tokens evicted; naive below corrected or
+    collapsed; peak KV <= 30% of dense."""
+    out = []
+    limit = raw["rollout_length"] // 4
+    for b in (b for b in raw["budgets"] if b <= limit):
+        by_arm = {c["arm"]: c for c in cells if c["budget"] == b}
+        corr, naive = by_arm.get("corrected"), by_arm.get("naive")
+        if corr is None:
+            continue
+        row = {
+            "budget": b,
+            "evicted_fraction": corr["evicted_fraction"]["mean"],
+            "corrected_vs_dense": corr.get("dense_greedy_vs_dense"),
+            "corrected_ge_97pct": (corr.get("dense_greedy_vs_dense") or 0) >= 0.97,
+            "half_evicted": (corr["evicted_fraction"]["mean"] or 0) >= 0.5,
+            "peak_kv_vs_dense": corr.get("peak_kv_vs_dense"),
+            "peak_kv_le_30pct": (corr.get("peak_kv_vs_dense") or math.inf) <= 0.30,
+        }
+        if naive is not None:
+            row["naive_minus_corrected"] = _diff(naive, corr)
+            row["naive_below_or_collapsed"] = bool(
+                naive["collapsed"] or (row["naive_minus_corrected"] or 0) < 0
+            )
+        out.append(row)
+    return out
+
+
+def _diff(a: dict, b: dict) -> float | None:
+    x, y = a["dense_greedy_final"]["mean"], b["dense_greedy_final"]["mean"]
+    return None if x is None or y is None else x - y
+
+
+def plot_study(raw: dict[str, Any], path: str | Path) -> Path:
+    """Training-reward curves per budget (one panel each), one line per arm: the mean over
+    seeds with a band from the seeds' min to max."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    budgets = raw["budgets"]
+    fig, axes = plt.subplots(1, len(budgets), figsize=(5 * len(budgets), 3.5), squeeze=False)
+    for ax, b in zip(axes[0], budgets, strict=True):
+        for arm in dict.fromkeys(r["arm"] for r in raw["runs"]):
+            group = [r for r in raw["runs"] if r["arm"] == arm and r["budget"] in (b, None)]
+            if not group:
+                continue
+            n = min(len(r["train_reward"]) for r in group)
+            if n == 0:
+                continue
+            curves = np.array([r["train_reward"][:n] for r in group])
+            x = np.arange(1, n + 1)
+            (line,) = ax.plot(x, curves.mean(0), label=arm, linewidth=1.2)
+            ax.fill_between(x, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.2)
+        ax.set_title(f"KV budget {b} of {raw['rollout_length']} tokens")
+        ax.set_xlabel("RL step")
+        ax.set_ylabel("training reward (sampled)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

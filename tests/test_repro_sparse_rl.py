@@ -1,0 +1,70 @@
+"""`tools/repro_sparse_rl.py --quick` (the CI smoke test of the Sparse-RL study) and the study's
+one shared SFT start: a run resumed from a copy of the warm start's step-0 checkpoint is the run
+that would have done its own warm start, row for row."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparserl_jax.config import load_config
+from sparserl_jax.metrics import read_metrics
+from sparserl_jax.train import train
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+# Keys that differ between two runs of the same computation: clocks and speeds.
+_CLOCKS = ("timing_s/", "perf/", "wall_time_s")
+
+
+def _numbers(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(_CLOCKS)} for r in rows]
+
+
+@pytest.mark.slow
+def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch):
+    import repro_sparse_rl
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "study"
+    result = repro_sparse_rl.main(["--quick", "--out", str(out)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert json.loads(last) == json.loads(json.dumps(result))
+    assert result["budgets"] == [8] and result["rollout_length"] == 32
+    sig = result["signature"]["8"] if "8" in result["signature"] else result["signature"][8]
+    assert 0 <= sig["sparse_greedy"] <= 1 and 0 <= sig["dense_greedy"] <= 1
+    cells = {c["arm"]: c for c in result["cells"]}
+    assert set(cells) == {"dense", "corrected"}
+    assert cells["dense"]["peak_kv_vs_dense"] == pytest.approx(1.0)
+    assert cells["corrected"]["peak_kv_bytes"]["mean"] < cells["dense"]["peak_kv_bytes"]["mean"]
+    assert cells["corrected"]["evicted_fraction"]["mean"] > 0
+    assert result["targets"] and result["targets"][0]["budget"] == 8
+    assert (out / "curves.png").stat().st_size > 0
+
+    # The corrected run started from the copied step-0 checkpoint; the same config with its own
+    # SFT stage in a fresh directory gives the same rows (numbers, not clocks).
+    copied = out / "runs" / "corrected_s0_b8"
+    overrides = json.loads((copied / "config.json").read_text())
+    assert overrides["train"]["eval_dense"] is True
+    fresh = tmp_path / "fresh"
+    cfg = load_config(
+        "configs/tiny.yaml",
+        [
+            "sft.steps=2",
+            "data.batch_size=4",
+            "train.eval_examples=4",
+            "train.eval_every=0",
+            "train.save_every=2",
+            "train.steps=2",
+            "train.progress=false",
+            "train.plot=false",
+            f"run_dir={fresh}",
+            "train.seed=0",
+            "train.eval_dense=true",
+            "rollout.kv.budget=8",
+        ],
+    )
+    train(cfg, log_fn=lambda m: None)
+    assert _numbers(read_metrics(fresh)) == _numbers(read_metrics(copied))

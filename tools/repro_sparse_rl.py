@@ -1,0 +1,98 @@
+"""Sparse-RL on our stack: dense vs naive sparse vs corrected (vs TIS only, vs the adaptive budget)
+rollouts from one shared SFT start (issue 18 item 2; docs/reproductions.md).
+
+    python tools/repro_sparse_rl.py                       # configs/repro_sparse_rl.yaml, all arms,
+                                                          # budgets L/8, L/4, L/2, seeds 0 1 2
+    python tools/repro_sparse_rl.py --budgets 36 --seeds 0 --steps 12 --arms dense naive corrected
+    python tools/repro_sparse_rl.py --quick               # configs/tiny.yaml, 2 steps, dense and
+                                                          # corrected, budget L/4, seed 0 (CI smoke)
+
+Writes under --out: `sft/` (the shared warm start), `signature/b<B>/` (the SFT model decoded with
+each budget, no training), `runs/<arm>_s<seed>[_b<B>]/` (each run's metrics.jsonl), `raw.json`,
+`curves.png` (training reward per budget, mean over seeds with a min-max band). Prints one line
+per finished run, then one JSON line: the signature, a cell per (arm, budget) with means over
+seeds, and the issue's targets at budgets <= L/4. `--set KEY=VALUE` (repeatable) overrides any
+config key in every run. Logic: benchmarks/repro_sparse_rl.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.repro_sparse_rl import ARMS, Study, plot_study, run_study, summarise  # noqa: E402
+
+QUICK = (
+    "sft.steps=2",
+    "data.batch_size=4",  # 8 rows: one per device of the tests' 8-device CPU mesh
+    "train.eval_examples=4",
+    "train.eval_every=0",
+    "train.save_every=2",
+)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--config", default=None, help="default configs/repro_sparse_rl.yaml")
+    p.add_argument("--out", default="runs/repro_sparse_rl_study")
+    p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=None)
+    p.add_argument("--budgets", nargs="+", type=int, default=None, help="default L/8 L/4 L/2")
+    p.add_argument("--seeds", nargs="+", type=int, default=None, help="default 0 1 2")
+    p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--quick", action="store_true", help="tiny config, 2 steps, 2 arms, 1 budget")
+    p.add_argument(
+        "--compile-cache",
+        default=None,
+        help="JAX persistent compilation cache directory (default <out>/jax_cache): the arms "
+        "share most programs",
+    )
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    cache = args.compile_cache or str(out / "jax_cache")
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
+    if args.quick:
+        study = Study(
+            config=args.config or "configs/tiny.yaml",
+            out_dir=str(out),
+            arms=tuple(args.arms or ("dense", "corrected")),
+            budgets=tuple(args.budgets or (8,)),  # tiny: L = 8 + 24 = 32, L/4
+            seeds=tuple(args.seeds or (0,)),
+            steps=args.steps or 2,
+            overrides=(*QUICK, *args.set),
+        )
+    else:
+        study = Study(
+            config=args.config or "configs/repro_sparse_rl.yaml",
+            out_dir=str(out),
+            arms=tuple(args.arms or ARMS),
+            budgets=tuple(args.budgets) if args.budgets else None,
+            seeds=tuple(args.seeds) if args.seeds else (0, 1, 2),
+            steps=args.steps,
+            overrides=tuple(args.set),
+        )
+    raw = run_study(study, log=lambda m: print(m, file=sys.stderr, flush=True))
+    (out / "raw.json").write_text(json.dumps(raw, indent=1))
+    result = {
+        "config": raw["config"],
+        "rollout_length": raw["rollout_length"],
+        "budgets": raw["budgets"],
+        "seeds": list(study.seeds),
+        "signature": raw["signature"],
+        **summarise(raw),
+        "plot": str(plot_study(raw, out / "curves.png")),
+        "wall_s": round(raw["wall_s"], 1),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

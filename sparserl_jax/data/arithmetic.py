@@ -12,6 +12,13 @@ Ideal completions (after the prompt `a op b=`), one working line per step:
     answer: 81                    3-0-1=2, write 2 borrow 0      115+920=1035
                                   answer: 267                    answer: 1035
 
+`scratchpad: running` (addition only) restates the whole state on every line instead, so each
+line depends on the line above alone: the operands' remaining digits, the carry and the sum so
+far. `4567+1234=` -> `456+123 c1 s1`, `45+12 c0 s01`, `4+1 c0 s801`, `0+0 c0 s5801`,
+`answer: 5801`. Evicting older lines from the KV cache loses nothing the next token needs (the
+redundant-trace regime of R-KV and Sparse-RL), where the column scratchpad's answer line needs a
+digit from every line.
+
 Subtraction with `a < b` first writes `a<b, so compute b-a and negate`. Division is exact (the
 dividend is drawn as divisor * quotient) and runs long division: `cur/b=q rem r` per dividend digit.
 
@@ -99,14 +106,31 @@ def _div_lines(a: int, b: int) -> list[str]:
     return lines
 
 
-def solve(a: int, op: str, b: int) -> tuple[int, str]:
+def _running_add_lines(a: int, b: int) -> list[str]:
+    lines, carry, total = [], 0, ""
+    while True:
+        t = a % 10 + b % 10 + carry
+        a, b, carry, total = a // 10, b // 10, t // 10, f"{t % 10}{total}"
+        lines.append(f"{a}+{b} c{carry} s{total}")
+        if a == b == carry == 0:
+            return lines
+
+
+def solve(a: int, op: str, b: int, *, scratchpad: str = "columns") -> tuple[int, str]:
     """The exact result of `a op b` and its ideal completion (scratchpad + answer line).
 
-    Division must be exact (`a % b == 0`); operands are non-negative integers.
+    Division must be exact (`a % b == 0`); operands are non-negative integers. `scratchpad`:
+    `columns` (every operator) or `running` (`+` only; the module docstring shows both).
     """
     if a < 0 or b < 0:
         raise ValueError(f"operands must be non-negative, got {a}, {b}")
-    if op == "+":
+    if scratchpad == "running":
+        if op != "+":
+            raise ValueError(f"the running scratchpad is for '+' only, got {op!r}")
+        result, lines = a + b, _running_add_lines(a, b)
+    elif scratchpad != "columns":
+        raise ValueError(f"scratchpad {scratchpad!r} unknown; expected columns or running")
+    elif op == "+":
         result, lines = a + b, _add_lines(a, b)
     elif op == "-":
         result, lines = a - b, _sub_lines(a, b)
@@ -132,7 +156,7 @@ def make_arithmetic_example(cfg: ArithmeticConfig, *, seed: int, split: str, ind
         a = b * _draw(rng, n_a)
     else:
         a, b = _draw(rng, n_a), _draw(rng, n_b)
-    result, completion = solve(a, op, b)
+    result, completion = solve(a, op, b, scratchpad=cfg.scratchpad)
     return Example(
         prompt=f"{a}{op}{b}=",
         answer=str(result),

@@ -24,6 +24,8 @@ class ArithmeticConfig:
       min_digits, max_digits: each operand has a digit count drawn uniformly from this range
         (for `/` the divisor and the quotient do, so the dividend is exact and about twice as long).
       operators: drawn uniformly per problem, a subset of `+ - * /`.
+      scratchpad: `columns` (a line per column) or `running` (`+` only: every line restates
+        the remaining operands, the carry and the sum so far, see `data/arithmetic.py`).
       num_examples: size of one epoch of distinct problem indices (problems are a pure function of
         `(seed, split, index)`, so this costs no memory).
     """
@@ -31,6 +33,7 @@ class ArithmeticConfig:
     min_digits: int = 1
     max_digits: int = 3
     operators: tuple[str, ...] = ("+", "-")
+    scratchpad: Literal["columns", "running"] = "columns"
     num_examples: int = 100_000
 
     def __post_init__(self):
@@ -48,6 +51,14 @@ class ArithmeticConfig:
             raise ValueError(f"arithmetic.operators has repeats: {self.operators}")
         if self.num_examples < 1:
             raise ValueError(f"arithmetic.num_examples must be >= 1, got {self.num_examples}")
+        if self.scratchpad not in ("columns", "running"):
+            raise ValueError(
+                f"arithmetic.scratchpad {self.scratchpad!r} unknown; expected columns or running"
+            )
+        if self.scratchpad == "running" and self.operators != ("+",):
+            raise ValueError(
+                f"arithmetic.scratchpad=running is for '+' only, got operators={self.operators}"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

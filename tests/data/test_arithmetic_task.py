@@ -141,3 +141,43 @@ def test_examples_are_a_pure_function_of_seed_split_index():
 
 def test_arithmetic_reward_survives_huge_integers():
     assert arithmetic_reward("\nanswer: " + "9" * 5000, "81", format_reward=0.1) == 0.1
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "completion"),
+    [
+        (
+            45678, 12345,
+            "\n4567+1234 c1 s3\n456+123 c1 s23\n45+12 c1 s023\n4+1 c0 s8023\n0+0 c0 s58023"
+            "\nanswer: 58023",
+        ),
+        (95, 7, "\n9+0 c1 s2\n0+0 c1 s02\n0+0 c0 s102\nanswer: 102"),
+        (0, 0, "\n0+0 c0 s0\nanswer: 0"),
+    ],
+)  # fmt: skip
+def test_running_scratchpad_hand_written(a, b, completion):
+    assert solve(a, "+", b, scratchpad="running") == (a + b, completion)
+
+
+@settings(max_examples=50, deadline=None)
+@given(a=st.integers(0, 10**9), b=st.integers(0, 10**9))
+def test_running_scratchpad_lines_depend_on_the_line_above_only(a, b):
+    # Each line `A+B cC sS` is a function of the line above (the prompt for the first): the
+    # state the answer needs is restated every line, so eviction of older lines loses nothing.
+    result, completion = solve(a, "+", b, scratchpad="running")
+    lines = completion.strip("\n").split("\n")
+    state = (a, b, 0, "")
+    for line in lines[:-1]:
+        x, y, c, s = state
+        t = x % 10 + y % 10 + c
+        state = (x // 10, y // 10, t // 10, f"{t % 10}{s}")
+        assert line == f"{state[0]}+{state[1]} c{state[2]} s{state[3]}"
+    assert lines[-1] == f"answer: {int(state[3])}" and int(state[3]) == result == a + b
+    assert arithmetic_reward(completion, str(a + b)) == 1.0
+
+
+def test_running_scratchpad_is_addition_only():
+    with pytest.raises(ValueError, match="running"):
+        solve(5, "-", 3, scratchpad="running")
+    with pytest.raises(ValueError, match="scratchpad"):
+        ArithmeticConfig(operators=("+", "*"), scratchpad="running")

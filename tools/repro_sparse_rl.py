@@ -47,6 +47,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--quick", action="store_true", help="tiny config, 2 steps, 2 arms, 1 budget")
     p.add_argument(
+        "--signature-only",
+        action="store_true",
+        help="the SFT start and its sparse/dense signature per budget, no RL runs",
+    )
+    p.add_argument(
         "--compile-cache",
         default=None,
         help="JAX persistent compilation cache directory (default <out>/jax_cache): the arms "
@@ -72,7 +77,7 @@ def main(argv: list[str] | None = None) -> dict:
         study = Study(
             config=args.config or "configs/repro_sparse_rl.yaml",
             out_dir=str(out),
-            arms=tuple(args.arms or ARMS),
+            arms=() if args.signature_only else tuple(args.arms or ARMS),
             budgets=tuple(args.budgets) if args.budgets else None,
             seeds=tuple(args.seeds) if args.seeds else (0, 1, 2),
             steps=args.steps,

@@ -13,9 +13,9 @@ Ideal completions (after the prompt `a op b=`), one working line per step:
                                   answer: 267                    answer: 1035
 
 `scratchpad: running` (addition only) restates the whole state on every line instead, so each
-line depends on the line above alone: the operands' remaining digits, the carry and the sum so
-far. `4567+1234=` -> `456+123 c1 s1`, `45+12 c0 s01`, `4+1 c0 s801`, `0+0 c0 s5801`,
-`answer: 5801`. Evicting older lines from the KV cache loses nothing the next token needs (the
+line depends on the line above alone: the column's digit sum, then the operands' remaining
+digits, the carry and the sum so far. `4567+1234=` -> `7+4+0=11, 456+123 c1 s1`,
+`6+3+1=10, 45+12 c1 s01`, `5+2+1=8, 4+1 c0 s801`, `4+1+0=5, 0+0 c0 s5801`, `answer: 5801`. Evicting older lines from the KV cache loses nothing the next token needs (the
 redundant-trace regime of R-KV and Sparse-RL), where the column scratchpad's answer line needs a
 digit from every line.
 
@@ -110,8 +110,9 @@ def _running_add_lines(a: int, b: int) -> list[str]:
     lines, carry, total = [], 0, ""
     while True:
         t = a % 10 + b % 10 + carry
+        head = f"{a % 10}+{b % 10}+{carry}={t}"
         a, b, carry, total = a // 10, b // 10, t // 10, f"{t % 10}{total}"
-        lines.append(f"{a}+{b} c{carry} s{total}")
+        lines.append(f"{head}, {a}+{b} c{carry} s{total}")
         if a == b == carry == 0:
             return lines
 

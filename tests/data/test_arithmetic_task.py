@@ -148,11 +148,11 @@ def test_arithmetic_reward_survives_huge_integers():
     [
         (
             45678, 12345,
-            "\n4567+1234 c1 s3\n456+123 c1 s23\n45+12 c1 s023\n4+1 c0 s8023\n0+0 c0 s58023"
-            "\nanswer: 58023",
+            "\n8+5+0=13, 4567+1234 c1 s3\n7+4+1=12, 456+123 c1 s23\n6+3+1=10, 45+12 c1 s023"
+            "\n5+2+1=8, 4+1 c0 s8023\n4+1+0=5, 0+0 c0 s58023\nanswer: 58023",
         ),
-        (95, 7, "\n9+0 c1 s2\n0+0 c1 s02\n0+0 c0 s102\nanswer: 102"),
-        (0, 0, "\n0+0 c0 s0\nanswer: 0"),
+        (95, 7, "\n5+7+0=12, 9+0 c1 s2\n9+0+1=10, 0+0 c1 s02\n0+0+1=1, 0+0 c0 s102\nanswer: 102"),
+        (0, 0, "\n0+0+0=0, 0+0 c0 s0\nanswer: 0"),
     ],
 )  # fmt: skip
 def test_running_scratchpad_hand_written(a, b, completion):
@@ -162,7 +162,7 @@ def test_running_scratchpad_hand_written(a, b, completion):
 @settings(max_examples=50, deadline=None)
 @given(a=st.integers(0, 10**9), b=st.integers(0, 10**9))
 def test_running_scratchpad_lines_depend_on_the_line_above_only(a, b):
-    # Each line `A+B cC sS` is a function of the line above (the prompt for the first): the
+    # Each line `x+y+c=t, A+B cC sS` is a function of the line above (the prompt for the first): the
     # state the answer needs is restated every line, so eviction of older lines loses nothing.
     result, completion = solve(a, "+", b, scratchpad="running")
     lines = completion.strip("\n").split("\n")
@@ -171,7 +171,7 @@ def test_running_scratchpad_lines_depend_on_the_line_above_only(a, b):
         x, y, c, s = state
         t = x % 10 + y % 10 + c
         state = (x // 10, y // 10, t // 10, f"{t % 10}{s}")
-        assert line == f"{state[0]}+{state[1]} c{state[2]} s{state[3]}"
+        assert line == f"{x % 10}+{y % 10}+{c}={t}, {state[0]}+{state[1]} c{state[2]} s{state[3]}"
     assert lines[-1] == f"answer: {int(state[3])}" and int(state[3]) == result == a + b
     assert arithmetic_reward(completion, str(a + b)) == 1.0
 

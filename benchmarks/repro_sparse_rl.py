@@ -25,7 +25,6 @@ tokens, the Sparse-RL masked-token / rejected-sequence fractions, and whether it
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import shutil
 import time
@@ -140,7 +139,9 @@ def run_record(rows: list[dict], cfg: Config, prompt_tokens: float) -> dict[str,
         (greedy0 is not None and greedy is not None and greedy < COLLAPSE_FRACTION * greedy0)
         or any(r.get("actor/nonfinite_skips", 0) for r in steps)
     )
-    dense_final = final.get("val/dense_greedy_reward_mean", greedy if not cfg.rollout.sparse else None)
+    dense_final = final.get(
+        "val/dense_greedy_reward_mean", greedy if not cfg.rollout.sparse else None
+    )
     return {
         "steps": len(steps),
         "train_reward": [r["critic/score/mean"] for r in steps],
@@ -283,9 +284,9 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 cell["greedy_final"] = _stat([r["sparse_decoded"][b] for r in group])
             cell["collapsed"] = sum(r["collapsed"] for r in group)
             if dense_final["mean"]:
-                cell["dense_greedy_vs_dense"] = cell["dense_greedy_final"]["mean"] / dense_final[
-                    "mean"
-                ]
+                cell["dense_greedy_vs_dense"] = (
+                    cell["dense_greedy_final"]["mean"] / dense_final["mean"]
+                )
             if dense_kv["mean"] and cell["peak_kv_bytes"]["mean"] is not None:
                 cell["peak_kv_vs_dense"] = cell["peak_kv_bytes"]["mean"] / dense_kv["mean"]
             cells.append(cell)

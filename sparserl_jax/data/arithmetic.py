@@ -15,9 +15,10 @@ Ideal completions (after the prompt `a op b=`), one working line per step:
 `scratchpad: running` (addition only) restates the whole state on every line instead, so each
 line depends on the line above alone: the column's digit sum, then the operands' remaining
 digits, the carry and the sum so far. `4567+1234=` -> `7+4+0=11, 456+123 c1 s1`,
-`6+3+1=10, 45+12 c1 s01`, `5+2+1=8, 4+1 c0 s801`, `4+1+0=5, 0+0 c0 s5801`, `answer: 5801`. Evicting older lines from the KV cache loses nothing the next token needs (the
-redundant-trace regime of R-KV and Sparse-RL), where the column scratchpad's answer line needs a
-digit from every line.
+`6+3+1=10, 45+12 c1 s01`, `5+2+1=8, 4+1 c0 s801`, `4+1+0=5, 0+0 c0 s5801`, `answer: 5801`.
+Evicting older lines from the KV cache loses nothing the next token needs (the redundant-trace
+regime of R-KV and Sparse-RL), where the column scratchpad's answer line needs a digit from
+every line.
 
 Subtraction with `a < b` first writes `a<b, so compute b-a and negate`. Division is exact (the
 dividend is drawn as divisor * quotient) and runs long division: `cur/b=q rem r` per dividend digit.

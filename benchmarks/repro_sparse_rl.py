@@ -153,7 +153,15 @@ def run_record(rows: list[dict], cfg: Config, prompt_tokens: float) -> dict[str,
             "val/dense_greedy_reward_mean", greedy0 if not cfg.rollout.sparse else None
         ),
         "dense_greedy_final": dense_final,
-        "sampled_final": final.get("val/reward_mean"),
+        "sampled_final": final.get("val/reward_mean"),  # decoded as trained
+        "dense_sampled_start": start.get(
+            "val/dense_reward_mean",
+            start.get("val/reward_mean") if not cfg.rollout.sparse else None,
+        ),
+        "dense_sampled_final": final.get(
+            "val/dense_reward_mean",
+            final.get("val/reward_mean") if not cfg.rollout.sparse else None,
+        ),
         "peak_kv_bytes": int(max(r["rollout/kv_peak_bytes"] for r in steps)) if steps else None,
         "evicted_fraction": float(np.mean(evicted)) if evicted else None,
         "masked_token_fraction": mean("correction/masked_token_fraction"),
@@ -269,6 +277,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 "dense_greedy_final",
                 "greedy_final",
                 "sampled_final",
+                "dense_sampled_final",
                 "train_reward_first3",
                 "train_reward_last3",
                 "peak_kv_bytes",

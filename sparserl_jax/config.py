@@ -191,10 +191,10 @@ class TrainConfig:
       resume: continue from the newest checkpoint in `run_dir` when there is one.
       eval_every: greedy evaluation on held-out prompts every this many steps (0: only before
         the first and after the last step); `eval_examples` prompts.
-      eval_dense: with a compressed KV cache, the held-out evaluation also decodes greedily
-        with the full cache (`val/dense_greedy_reward_mean`): the trained policy's quality
-        apart from the eviction its rollouts and `val/` figures decode with. Training is
-        unchanged (the extra decode only reads the weights).
+      eval_dense: with a compressed KV cache, the held-out evaluation also decodes with the
+        full cache (`val/dense_reward_mean` sampled, `val/dense_greedy_reward_mean`): the
+        trained policy's quality apart from the eviction its rollouts and `val/` figures
+        decode with. Training is unchanged (the extra decodes only read the weights).
       tensorboard: also write TensorBoard event files (needs tensorboardX).
       progress: show a progress bar with ETA on the console.
       plot: write `metrics.png` in the run directory at the end.

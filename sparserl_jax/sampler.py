@@ -118,8 +118,8 @@ class Sampler:
     by_budget: dict[int, tuple[RolloutEngine, RolloutEngine]] = dataclasses.field(
         default_factory=dict
     )
-    # The greedy engine with the full cache (`train.eval_dense`), built on first use.
-    dense_eval_engine: RolloutEngine | None = None
+    # The sampled and greedy engines with the full cache (`train.eval_dense`), built on first use.
+    dense_engines: tuple[RolloutEngine, RolloutEngine] | None = None
 
     @classmethod
     def create(
@@ -202,8 +202,8 @@ class Sampler:
         mean over a group of completions per prompt sampled like the training rollouts, with
         fixed seeds (`val/reward_mean`: the policy RL improves), and of one greedy completion
         per prompt (`val/greedy_reward_mean`); both decode with the rollouts' KV cache.
-        `dense` (with a compressed cache): also one greedy completion per prompt with the full
-        cache (`val/dense_greedy_reward_mean`)."""
+        `dense` (with a compressed cache): the same two decoded with the full cache
+        (`val/dense_reward_mean`, `val/dense_greedy_reward_mean`)."""
         if not examples:
             return {}
         params = self.params()
@@ -211,10 +211,11 @@ class Sampler:
         out = {}
         engines = [("val/", self.engine), ("val/greedy_", self.eval_engine)]
         if dense and self.kv_budget is not None:
-            if self.dense_eval_engine is None:
-                full = dataclasses.replace(self.eval_engine.config, kv=None)
-                self.dense_eval_engine = RolloutEngine(self.model, full, mesh=self.mesh)
-            engines.append(("val/dense_greedy_", self.dense_eval_engine))
+            if self.dense_engines is None:
+                full = dataclasses.replace(self.engine.config, kv=None)
+                self.dense_engines = _engines(self.model, full, self.mesh)
+            engines += [("val/dense_", self.dense_engines[0])]
+            engines += [("val/dense_greedy_", self.dense_engines[1])]
         for prefix, engine in engines:
             result = engine.generate(prompts, params=params, seeds=seeds)
             group = len(result.prompt_ids) // len(prompts)

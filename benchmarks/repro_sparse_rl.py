@@ -248,7 +248,7 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
 def _decode_sparse(
     study: Study, dense_run: Path, step: int, budgets: Sequence[int], log
 ) -> dict[int, dict[str, float]]:
-    """The dense arm's final weights decoded (greedy and sampled) with each budget's sparse cache."""
+    """The dense arm's final weights decoded (greedy, sampled) with each budget's sparse cache."""
     out = {}
     for b in budgets:
         run_dir = dense_run.parent / f"{dense_run.name}_decode_b{b}"

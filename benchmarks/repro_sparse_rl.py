@@ -25,6 +25,7 @@ tokens, the Sparse-RL masked-token / rejected-sequence fractions, and whether it
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import shutil
 import time
@@ -35,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from sparserl_jax.build import build_tokenizer
-from sparserl_jax.config import Config, load_config
+from sparserl_jax.config import Config, load_config, to_dict
 from sparserl_jax.data import PromptLimit, encode_prompts, eval_examples
 from sparserl_jax.metrics import read_metrics
 
@@ -99,10 +100,23 @@ def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
     shutil.copytree(src_run / "checkpoints" / str(step), dst_run / "checkpoints" / str(step))
 
 
-def _train(cfg: Config, log: Callable[[str], None]) -> dict:
+def _run(cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
+    """`train(cfg)` from checkpoint `step` of `src_run`; returns its summary. A run directory
+    whose `done.json` holds this very config is not run again (a study cut off, or given more
+    seeds, picks up where it was): its saved summary is returned."""
     from sparserl_jax.train import train
 
-    return train(cfg, log_fn=lambda m: log(f"  [{Path(cfg.run_dir).name}] {m}"))
+    run_dir = Path(cfg.run_dir)
+    done = run_dir / "done.json"
+    if done.exists():
+        saved = json.loads(done.read_text())
+        if saved["config"] == json.loads(json.dumps(to_dict(cfg))):
+            log(f"  [{run_dir.name}] done before: kept")
+            return saved["summary"]
+    _copy_checkpoint(src_run, step, run_dir)
+    summary = train(cfg, log_fn=lambda m: log(f"  [{run_dir.name}] {m}"))
+    done.write_text(json.dumps({"config": to_dict(cfg), "summary": summary}))
+    return summary
 
 
 def _last(rows: list[dict], key: str) -> float | None:
@@ -184,7 +198,9 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
     sft_dir = out / "sft"
     if not (sft_dir / "checkpoints" / "0").exists():
         log(f"SFT warm start -> {sft_dir}")
-        _train(study.cfg(f"run_dir={sft_dir}", "train.steps=0", "train.eval_examples=0"), log)
+        from sparserl_jax.train import train
+
+        train(study.cfg(f"run_dir={sft_dir}", "train.steps=0", "train.eval_examples=0"), log_fn=log)
     base = study.cfg()
     prompt_tokens = _mean_prompt_tokens(base)
 
@@ -192,11 +208,10 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
     signature = {}
     for b in budgets:
         run_dir = out / "signature" / f"b{b}"
-        _copy_checkpoint(sft_dir, 0, run_dir)
         cfg = study.cfg(
             f"run_dir={run_dir}", "train.steps=0", f"rollout.kv.budget={b}", "train.eval_dense=true"
         )
-        _train(cfg, log)
+        _run(cfg, sft_dir, 0, log)
         row = read_metrics(run_dir)[0]
         sparse, dense = row["val/greedy_reward_mean"], row["val/dense_greedy_reward_mean"]
         signature[b] = {
@@ -216,7 +231,6 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
             for b in budgets if arm != "dense" else (None,):
                 name = f"{arm}_s{seed}" + ("" if b is None else f"_b{b}")
                 run_dir = out / "runs" / name
-                _copy_checkpoint(sft_dir, 0, run_dir)
                 overrides = [
                     f"run_dir={run_dir}",
                     f"train.seed={seed}",
@@ -227,7 +241,7 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                     overrides.append(f"rollout.kv.budget={b}")
                 cfg = study.cfg(*overrides)
                 log(f"run {name} ({time.perf_counter() - t0:.0f}s into the study)")
-                _train(cfg, log)
+                _run(cfg, sft_dir, 0, log)
                 rec = run_record(read_metrics(run_dir), cfg, prompt_tokens)
                 runs.append({"arm": arm, "budget": b, "seed": seed, "name": name, **rec})
                 if arm == "dense":
@@ -252,9 +266,8 @@ def _decode_sparse(
     out = {}
     for b in budgets:
         run_dir = dense_run.parent / f"{dense_run.name}_decode_b{b}"
-        _copy_checkpoint(dense_run, step, run_dir)
         cfg = study.cfg(f"run_dir={run_dir}", f"train.steps={step}", f"rollout.kv.budget={b}")
-        summary = _train(cfg, log)
+        summary = _run(cfg, dense_run, step, log)
         out[b] = {
             "greedy": summary["val_greedy_reward_before"],
             "sampled": summary["val_reward_before"],

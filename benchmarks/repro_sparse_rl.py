@@ -100,28 +100,48 @@ def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
     shutil.copytree(src_run / "checkpoints" / str(step), dst_run / "checkpoints" / str(step))
 
 
-def _run(cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
-    """`train(cfg)` from checkpoint `step` of `src_run`; returns its summary. A run directory
-    whose `done.json` holds this very config is not run again (a study cut off, or given more
-    seeds, picks up where it was): its saved summary is returned."""
-    from sparserl_jax.train import train
-
-    run_dir = Path(cfg.run_dir)
-    done = run_dir / "done.json"
+def _done(cfg: Config) -> dict | None:
+    """The saved summary of `cfg.run_dir` when its `done.json` holds this very config (a study
+    cut off, or given more seeds, picks up where it was), else None."""
+    done = Path(cfg.run_dir) / "done.json"
     if done.exists():
         saved = json.loads(done.read_text())
         if saved["config"] == json.loads(json.dumps(to_dict(cfg))):
-            log(f"  [{run_dir.name}] done before: kept")
             return saved["summary"]
-    _copy_checkpoint(src_run, step, run_dir)
+    return None
+
+
+_SFT_SECTIONS = ("model", "tokenizer", "data", "sft")  # what the warm start depends on
+
+
+def _sft_done(cfg: Config) -> bool:
+    """Whether `cfg.run_dir` holds a finished warm start made with `cfg`'s SFT settings."""
+    done = Path(cfg.run_dir) / "done.json"
+    if not done.exists():
+        return False
+    saved = json.loads(done.read_text())["config"]
+    now = json.loads(json.dumps(to_dict(cfg)))
+    return all(saved.get(k) == now.get(k) for k in _SFT_SECTIONS)
+
+
+def _train(cfg: Config, log: Callable[[str], None]) -> dict:
+    from sparserl_jax.train import train
+
+    run_dir = Path(cfg.run_dir)
     summary = train(cfg, log_fn=lambda m: log(f"  [{run_dir.name}] {m}"))
-    done.write_text(json.dumps({"config": to_dict(cfg), "summary": summary}))
+    (run_dir / "done.json").write_text(json.dumps({"config": to_dict(cfg), "summary": summary}))
     return summary
 
 
-def _last(rows: list[dict], key: str) -> float | None:
-    vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-    return float(vals[-1]) if vals else None
+def _run(cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
+    """`train(cfg)` from checkpoint `step` of `src_run`; returns its summary (a run done before
+    with this very config is kept, see `_done`)."""
+    summary = _done(cfg)
+    if summary is not None:
+        log(f"  [{Path(cfg.run_dir).name}] done before: kept")
+        return summary
+    _copy_checkpoint(src_run, step, Path(cfg.run_dir))
+    return _train(cfg, log)
 
 
 def _mean_prompt_tokens(cfg: Config) -> float:
@@ -196,11 +216,13 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
 
     # 1. The shared SFT warm start: step 0 of this run is every arm's start.
     sft_dir = out / "sft"
-    if not (sft_dir / "checkpoints" / "0").exists():
+    sft = study.cfg(f"run_dir={sft_dir}", "train.steps=0", "train.eval_examples=0")
+    if not _sft_done(sft):
         log(f"SFT warm start -> {sft_dir}")
-        from sparserl_jax.train import train
-
-        train(study.cfg(f"run_dir={sft_dir}", "train.steps=0", "train.eval_examples=0"), log_fn=log)
+        # Every run of the study descends from the SFT start: a new one voids them all.
+        for old in ("sft", "signature", "runs"):
+            shutil.rmtree(out / old, ignore_errors=True)
+        _train(sft, log)
     base = study.cfg()
     prompt_tokens = _mean_prompt_tokens(base)
 

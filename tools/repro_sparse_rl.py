@@ -6,6 +6,7 @@ rollouts from one shared SFT start (issue 18 item 2; docs/reproductions.md).
     python tools/repro_sparse_rl.py --budgets 36 --seeds 0 --steps 12 --arms dense naive corrected
     python tools/repro_sparse_rl.py --quick               # configs/tiny.yaml, 2 steps, dense and
                                                           # corrected, budget L/4, seed 0 (CI smoke)
+    python tools/repro_sparse_rl.py --signature-only      # the SFT start decoded sparse vs dense
 
 Writes under --out: `sft/` (the shared warm start), `signature/b<B>/` (the SFT model decoded with
 each budget, no training), `runs/<arm>_s<seed>[_b<B>]/` (each run's metrics.jsonl), `raw.json`,

@@ -6,6 +6,11 @@ updates. After every step the fp32 master is published as bf16 via `Publisher`, 
 `InProcessTransport` and applied by a `Receiver`; each step's receiver bits are compared with an
 independent `bits(bf16(master))`. Figures: changed elements, payload bytes vs dense bf16 and
 zstd(dense bf16), bytes per changed element, and encode/apply throughput.
+
+The same masters also go through a second publisher/receiver pair writing the previous wire format
+(format 2, untimed), so each step reports the bytes per changed element of both formats side by
+side, and the empirical entropy bound of the patch given the receiver's context
+(`context.entropy_bound`: mask entropy per leaf and old exponent + value-step entropy).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from flax import nnx
 from benchmarks.bigram import stream
 from sparserl_jax.models import Transformer, model_preset
 from sparserl_jax.sync.codec import CodecConfig
+from sparserl_jax.sync.context import entropy_bound
 from sparserl_jax.sync.publisher import Publisher, SyncConfig
 from sparserl_jax.sync.receiver import Receiver
 from sparserl_jax.sync.transport import InProcessTransport
@@ -92,16 +98,22 @@ def run(cfg: BenchConfig, log=None) -> dict:
             lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), tree
         )
 
-    sync_cfg = SyncConfig(
-        anchor_every=cfg.anchor_every, codec=CodecConfig(zstd_level=cfg.zstd_level)
-    )
-    transport = InProcessTransport()
-    pub = Publisher(transport, config=sync_cfg)
+    def sync_config(fmt: int) -> SyncConfig:
+        codec = CodecConfig(zstd_level=cfg.zstd_level, format=fmt)
+        return SyncConfig(anchor_every=cfg.anchor_every, codec=codec)
+
+    transport, transport_f2 = InProcessTransport(), InProcessTransport()
+    pub = Publisher(transport, config=sync_config(3))
+    pub_f2 = Publisher(transport_f2, config=sync_config(2))  # untimed: sizes side by side
     device = jax.devices()[-1]  # the sampler's device (the last fake CPU device when several)
     rc = Receiver(lambda name, shape: jax.sharding.SingleDeviceSharding(device))
+    rc_f2 = Receiver(lambda name, shape: jax.sharding.SingleDeviceSharding(device))
     first = pub.publish(nnx.to_pure_dict(params))
+    pub_f2.publish(nnx.to_pure_dict(params))
     master_per_published = sum(x.nbytes for x in jax.tree.leaves(params)) / first.dense_bytes
     rc.sync(transport)
+    rc_f2.sync(transport_f2)
+    prev = [np.asarray(x) for x in jax.tree.leaves(published_bits(nnx.to_pure_dict(params)))]
     batches = map(jnp.asarray, stream(vocab, cfg.batch, cfg.seq_len, cfg.seed + 1))
     steps, enc_s, enc_cpu_s, app_s, scanned = [], 0.0, 0.0, 0.0, 0
     for step in range(cfg.steps):
@@ -115,11 +127,16 @@ def run(cfg: BenchConfig, log=None) -> dict:
         rc.apply(blob)
         jax.block_until_ready(list(rc.arrays.values()))
         t2 = time.perf_counter()
-        expect = jax.tree.leaves(published_bits(master))
+        out_f2 = pub_f2.publish(master)
+        rc_f2.apply(transport_f2.get(out_f2.version, "patch"))
+        expect = [np.asarray(x) for x in jax.tree.leaves(published_bits(master))]
         identical = all(
-            np.array_equal(np.asarray(e), np.asarray(rc.arrays[n]).view(np.uint16))
+            np.array_equal(e, np.asarray(r.arrays[n]).view(np.uint16))
+            for r in (rc, rc_f2)
             for n, e in zip(pub.names, expect, strict=True)
         )
+        bound = np.sum([entropy_bound(o, e, "bfloat16") for o, e in zip(prev, expect)], axis=0)
+        prev = expect
         # Anchors (every K versions) are timed apart: encode GB/s is the per-step patch path.
         if step or cfg.steps == 1:  # step 1 includes jit compilation
             enc_s += t1 - t0 - out.anchor_s
@@ -134,6 +151,11 @@ def run(cfg: BenchConfig, log=None) -> dict:
             "dense_bf16_bytes": out.dense_bytes,
             "ratio": out.dense_bytes / len(out.patch),
             "bytes_per_changed": len(out.patch) / max(changed, 1),
+            "payload_bytes_format2": len(out_f2.patch),
+            "bytes_per_changed_format2": len(out_f2.patch) / max(changed, 1),
+            "bound_mask_bytes": float(bound[0]),
+            "bound_value_bytes": float(bound[1]),
+            "bound_per_changed": float(bound.sum()) / max(changed, 1),
             "bit_identical": bool(identical),
             "loss": float(loss),
             "encode_s": t1 - t0 - out.anchor_s,
@@ -158,6 +180,13 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "steps": steps,
         "ratio_median": statistics.median(s["ratio"] for s in steps),
         "bytes_per_changed_median": statistics.median(s["bytes_per_changed"] for s in steps),
+        "bytes_per_changed_format2_median": statistics.median(
+            s["bytes_per_changed_format2"] for s in steps
+        ),
+        "ratio_format2_median": statistics.median(
+            s["dense_bf16_bytes"] / s["payload_bytes_format2"] for s in steps
+        ),
+        "bound_per_changed_median": statistics.median(s["bound_per_changed"] for s in steps),
         "sparsity_median": statistics.median(s["sparsity"] for s in steps),
         # Baseline: each dense bf16 tensor through zstd level 3 (stronger than the patch's level).
         "zstd_dense_bf16_bytes": _zstd_size(pub.sent_bits, 3),

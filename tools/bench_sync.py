@@ -2,8 +2,9 @@
 
     python tools/bench_sync.py --lr 1e-6 --steps 10 --json
 
-Prints progress to stderr and, with --json, one JSON line last on stdout (see
-`benchmarks.sync.run`).
+Prints progress to stderr (per step: bytes per changed element in wire formats 3 and 2 side by
+side, and the entropy bound given the receiver's context) and, with --json, one JSON line last on
+stdout (see `benchmarks.sync.run`).
 """
 
 from __future__ import annotations
@@ -35,7 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     if a.json:
         print(json.dumps(result), flush=True)
     else:
-        keys = ("params", "lr", "ratio_median", "bytes_per_changed_median", "encode_gb_per_s")
+        keys = (
+            "params", "lr", "ratio_median", "bytes_per_changed_median",
+            "bytes_per_changed_format2_median", "bound_per_changed_median", "encode_gb_per_s",
+        )  # fmt: skip
         print({k: result[k] for k in keys})
 
 

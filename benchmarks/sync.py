@@ -135,7 +135,8 @@ def run(cfg: BenchConfig, log=None) -> dict:
             for r in (rc, rc_f2)
             for n, e in zip(pub.names, expect, strict=True)
         )
-        bound = np.sum([entropy_bound(o, e, "bfloat16") for o, e in zip(prev, expect)], axis=0)
+        bounds = [entropy_bound(o, e, "bfloat16") for o, e in zip(prev, expect, strict=True)]
+        bound = np.sum(bounds, axis=0)
         prev = expect
         # Anchors (every K versions) are timed apart: encode GB/s is the per-step patch path.
         if step or cfg.steps == 1:  # step 1 includes jit compilation

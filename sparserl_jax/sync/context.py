@@ -46,16 +46,38 @@ def exponent_key(bits: np.ndarray, dtype: str) -> np.ndarray | None:
     return ((bits.reshape(-1) >> shift) & mask).astype(np.uint8)
 
 
-def _classes(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(stable order of the elements by key, start of each key's run in that order)."""
-    order = np.argsort(key, kind="stable")  # radix sort on uint8
+def _class_starts(key: np.ndarray) -> np.ndarray:
+    """Where each key's run starts in context order (257 entries, the last is `key.size`)."""
+    # bincount widens its input to int64: counting byte pairs as uint16 halves that work.
+    pairs = np.bincount(key[: key.size & ~1].view("<u2"), minlength=1 << 16).reshape(256, 256)
+    counts = pairs.sum(axis=0) + pairs.sum(axis=1)  # [high byte, low byte]
+    if key.size & 1:
+        counts[key[-1]] += 1
     starts = np.zeros(257, np.int64)
-    np.cumsum(np.bincount(key, minlength=256), out=starts[1:])
-    return order, starts
+    np.cumsum(counts, out=starts[1:])
+    return starts
+
+
+def _class_bits(key: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
+    """`key == c` packed into uint64 words (bit j of word w: element 64w + j) and the number of
+    set bits before each word (`words.size + 1` entries): a rank/select dictionary of class c.
+    One cheap pass over the keys per class, instead of a sort of the whole leaf."""
+    packed = np.packbits(key == c, bitorder="little")
+    buf = np.zeros(-(-key.size // 64) * 8, np.uint8)
+    buf[: packed.size] = packed
+    words = buf.view("<u8")
+    before = np.zeros(words.size + 1, np.int64)
+    np.cumsum(np.bitwise_count(words), out=before[1:])
+    return words, before
+
+
+def _low_mask(n: np.ndarray) -> np.ndarray:
+    """`2**n - 1` as uint64 for `0 <= n <= 63`."""
+    return (np.uint64(1) << n.astype(np.uint64)) - np.uint64(1)
 
 
 def context_rank(key: np.ndarray | None, index: np.ndarray) -> np.ndarray:
-    """Positions in context order of the elements at flat `index` (sorted, unique).
+    """Positions in context order of the elements at flat `index` (unique).
 
     The context order lists the elements with key 0 in flat order, then those with key 1, and so
     on: position = (number of elements with a smaller key) + (number with the same key before
@@ -64,23 +86,41 @@ def context_rank(key: np.ndarray | None, index: np.ndarray) -> np.ndarray:
     index = np.asarray(index, np.int64)
     if key is None or index.size == 0:
         return index.copy()
-    order, starts = _classes(key)
+    starts = _class_starts(key)
     k = key[index]
     pos = np.empty(index.size, np.int64)
     for c in np.unique(k).tolist():  # python ints: c + 1 must not wrap at 255
         sel = k == c
-        members = order[starts[c] : starts[c + 1]]  # flat indices of class c, ascending
-        pos[sel] = starts[c] + np.searchsorted(members, index[sel])
+        words, before = _class_bits(key, c)
+        i = index[sel]
+        w = i >> 6
+        same_before = np.bitwise_count(words[w] & _low_mask(i & 63)).astype(np.int64)
+        pos[sel] = starts[c] + before[w] + same_before
     return pos
 
 
 def context_select(key: np.ndarray | None, pos: np.ndarray) -> np.ndarray:
-    """The inverse of `context_rank`: flat indices of the elements at context positions `pos`."""
+    """The inverse of `context_rank`: flat indices of the elements at context positions `pos`
+    (each in `[0, key.size)`)."""
     pos = np.asarray(pos, np.int64)
     if key is None or pos.size == 0:
         return pos.copy()
-    order, _ = _classes(key)
-    return order[pos].astype(np.int64)
+    starts = _class_starts(key)
+    cls = np.searchsorted(starts, pos, side="right") - 1
+    out = np.empty(pos.size, np.int64)
+    for c in np.unique(cls).tolist():
+        sel = cls == c
+        r = pos[sel] - starts[c]  # rank within class c
+        words, before = _class_bits(key, c)
+        w = np.searchsorted(before, r, side="right") - 1  # the word holding the r-th member
+        word, j = words[w], (r - before[w]).astype(np.uint64)
+        # The j-th set bit of `word`: the largest b with popcount(word & (2**b - 1)) <= j.
+        b = np.zeros(w.size, np.int64)
+        for step in (32, 16, 8, 4, 2, 1):
+            take = np.bitwise_count(word & _low_mask(b + step)) <= j
+            b += np.where(take, step, 0)
+        out[sel] = w * 64 + b
+    return out
 
 
 def to_line(bits: np.ndarray, itemsize: int) -> np.ndarray:

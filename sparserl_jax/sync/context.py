@@ -58,17 +58,28 @@ def _class_starts(key: np.ndarray) -> np.ndarray:
     return starts
 
 
-def _class_bits(key: np.ndarray, c: int) -> tuple[np.ndarray, np.ndarray]:
-    """`key == c` packed into uint64 words (bit j of word w: element 64w + j) and the number of
-    set bits before each word (`words.size + 1` entries): a rank/select dictionary of class c.
-    One cheap pass over the keys per class, instead of a sort of the whole leaf."""
-    packed = np.packbits(key == c, bitorder="little")
-    buf = np.zeros(-(-key.size // 64) * 8, np.uint8)
-    buf[: packed.size] = packed
-    words = buf.view("<u8")
-    before = np.zeros(words.size + 1, np.int64)
-    np.cumsum(np.bitwise_count(words), out=before[1:])
-    return words, before
+class _ClassBits:
+    """Rank/select dictionaries of single key classes of one leaf, sharing scratch buffers."""
+
+    def __init__(self, key: np.ndarray):
+        self.key = key
+        self.hit = np.empty(key.size, bool)
+        self.buf = np.zeros(-(-key.size // 64) * 8, np.uint8)
+
+    def __call__(self, c: int) -> tuple[np.ndarray, np.ndarray]:
+        """`key == c` packed into uint64 words (bit j of word w: element 64w + j) and the number
+        of set bits before each word (`words.size + 1` entries). One cheap pass over the keys
+        per class instead of a sort of the whole leaf."""
+        np.equal(self.key, c, out=self.hit)
+        packed = np.packbits(self.hit, bitorder="little")
+        if packed.size == self.buf.size:
+            words = packed.view("<u8")
+        else:  # pad to whole words (the padding stays zero)
+            self.buf[: packed.size] = packed
+            words = self.buf.view("<u8")
+        before = np.zeros(words.size + 1, np.int64)
+        np.cumsum(np.bitwise_count(words), out=before[1:])
+        return words, before
 
 
 def _low_mask(n: np.ndarray) -> np.ndarray:
@@ -89,9 +100,10 @@ def context_rank(key: np.ndarray | None, index: np.ndarray) -> np.ndarray:
     starts = _class_starts(key)
     k = key[index]
     pos = np.empty(index.size, np.int64)
+    class_bits = _ClassBits(key)
     for c in np.unique(k).tolist():  # python ints: c + 1 must not wrap at 255
         sel = k == c
-        words, before = _class_bits(key, c)
+        words, before = class_bits(c)
         i = index[sel]
         w = i >> 6
         same_before = np.bitwise_count(words[w] & _low_mask(i & 63)).astype(np.int64)
@@ -108,10 +120,11 @@ def context_select(key: np.ndarray | None, pos: np.ndarray) -> np.ndarray:
     starts = _class_starts(key)
     cls = np.searchsorted(starts, pos, side="right") - 1
     out = np.empty(pos.size, np.int64)
+    class_bits = _ClassBits(key)
     for c in np.unique(cls).tolist():
         sel = cls == c
         r = pos[sel] - starts[c]  # rank within class c
-        words, before = _class_bits(key, c)
+        words, before = class_bits(c)
         w = np.searchsorted(before, r, side="right") - 1  # the word holding the r-th member
         word, j = words[w], (r - before[w]).astype(np.uint64)
         # The j-th set bit of `word`: the largest b with popcount(word & (2**b - 1)) <= j.

@@ -297,3 +297,32 @@ def test_values_mode_is_the_measured_smaller_one():
         forced = "new" if want == "xor" else "xor"
         other = _one_leaf_blob(old, new, CodecConfig(values=forced))
         assert len(blob) < len(other), (want, len(blob), len(other))
+
+
+def test_format_3_layout_hand_computed():
+    # Odd elements hold 1.0 (exponent 127), even ones 2.0 (exponent 128): the context order lists
+    # the 15 odd elements (positions 0..14), then the 15 even ones (15..29). Changes: flat 3 one
+    # ulp up (position 1), flat 29 one ulp down (position 14), flat 12 two ulps up (6th even
+    # element: position 21). Gaps 1, 12, 6; steps +1, -1, +2 in that order: sign bits 0, 1, 0
+    # packed LSB first (0x02), |step| - 1 = 0, 0, 1 in two byte planes.
+    old = np.where(np.arange(30) % 2, 0x3F80, 0x4000).astype(np.uint16)
+    new = old.copy()
+    new[[3, 29, 12]] = [0x3F81, 0x3F7F, 0x4002]
+    leaves = [(TensorSpec("w", (30,), "bfloat16"), old, new)]
+    blob = encode_case(leaves, CodecConfig(compression="none", values="step"))
+    header = read_header(blob)
+    (entry,) = header["tensors"]
+    assert (header["format"], entry["encoding"], entry["nnz"], entry["gap_width"]) == (
+        3, "sparse", 3, 1,
+    )  # fmt: skip
+    assert entry["values"] == "step" and "name" not in entry
+    (bucket,) = header["buckets"]
+    # Streams g0..g3, v0..v3, s, d as [stored, raw].
+    assert bucket["streams"] == [[3, 3]] + [[0, 0]] * 3 + [[3, 3], [3, 3]] + [[0, 0]] * 2 + [
+        [1, 1], [0, 0],
+    ]  # fmt: skip
+    assert blob[-bucket["size"] :] == bytes([1, 12, 6, 0, 0, 1, 0, 0, 0, 0x02])
+    t = decode_case(blob, leaves).tensors["w"]
+    np.testing.assert_array_equal(t.index, [3, 12, 29])
+    np.testing.assert_array_equal(t.bits, [0x3F81, 0x4002, 0x3F7F])
+    assert not t.xor

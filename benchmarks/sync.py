@@ -116,6 +116,7 @@ def run(cfg: BenchConfig, log=None) -> dict:
     prev = [np.asarray(x) for x in jax.tree.leaves(published_bits(nnx.to_pure_dict(params)))]
     batches = map(jnp.asarray, stream(vocab, cfg.batch, cfg.seq_len, cfg.seed + 1))
     steps, enc_s, enc_cpu_s, app_s, scanned = [], 0.0, 0.0, 0.0, 0
+    enc_s_f2, app_s_f2 = 0.0, 0.0
     for step in range(cfg.steps):
         params, opt_state, loss = train_step(params, opt_state, next(batches))
         master = nnx.to_pure_dict(params)
@@ -128,7 +129,10 @@ def run(cfg: BenchConfig, log=None) -> dict:
         jax.block_until_ready(list(rc.arrays.values()))
         t2 = time.perf_counter()
         out_f2 = pub_f2.publish(master)
+        t3 = time.perf_counter()
         rc_f2.apply(transport_f2.get(out_f2.version, "patch"))
+        jax.block_until_ready(list(rc_f2.arrays.values()))
+        t4 = time.perf_counter()
         expect = [np.asarray(x) for x in jax.tree.leaves(published_bits(master))]
         identical = all(
             np.array_equal(e, np.asarray(r.arrays[n]).view(np.uint16))
@@ -143,6 +147,8 @@ def run(cfg: BenchConfig, log=None) -> dict:
             enc_s += t1 - t0 - out.anchor_s
             enc_cpu_s += c1 - c0 - out.anchor_cpu_s
             app_s += t2 - t1
+            enc_s_f2 += t3 - t2 - out_f2.anchor_s
+            app_s_f2 += t4 - t3
             scanned += out.dense_bytes
         changed = out.total_changed
         rec = {
@@ -198,6 +204,9 @@ def run(cfg: BenchConfig, log=None) -> dict:
         # Per CPU-second of this process (all its threads): less sensitive to a shared machine.
         "encode_gb_per_cpu_s": scanned / enc_cpu_s / 1e9,
         "apply_gb_per_s": scanned / app_s / 1e9,
+        # The same, for the format-2 publisher and receiver on the same masters (same load).
+        "encode_gb_per_s_format2": scanned / enc_s_f2 / 1e9,
+        "apply_gb_per_s_format2": scanned / app_s_f2 / 1e9,
         "loadavg_1m": os.getloadavg()[0],  # other work on the machine slows every timing
         "all_bit_identical": all(s["bit_identical"] for s in steps),
     }

@@ -38,9 +38,9 @@ from typing import Literal
 import numpy as np
 
 from sparserl_jax.sync.context import (
+    choose_cuts,
     context_rank,
     context_select,
-    exponent_key,
     from_line,
     to_line,
 )
@@ -171,7 +171,12 @@ def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig) -> str:
 
 def _sparse_v3(s: TensorSpec, ch: LeafChanges, old_bits: np.ndarray, config: CodecConfig):
     """A format-3 sparse entry's gaps (over context positions) and value streams, in that order."""
-    pos = context_rank(exponent_key(np.asarray(old_bits), s.dtype), ch.index)
+    old_bits = np.asarray(old_bits)
+    if old_bits.size != s.numel or old_bits.dtype.itemsize != s.itemsize:
+        raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
+    old_bits = old_bits.reshape(-1).view(uint_dtype(s.itemsize))
+    cuts = choose_cuts(old_bits, ch.old, s.dtype)
+    pos = context_rank(old_bits, s.dtype, cuts, ch.index)
     order = np.argsort(pos, kind="stable")
     pos = pos[order]
     ch = LeafChanges(ch.index[order], ch.delta[order], ch.old[order])
@@ -185,7 +190,7 @@ def _sparse_v3(s: TensorSpec, ch: LeafChanges, old_bits: np.ndarray, config: Cod
         vals = ch.delta if mode == "xor" else ch.new
     for p, plane in enumerate(byte_planes(vals, s.itemsize)):
         streams[f"v{p}"] = [plane]
-    return gaps, mode, streams
+    return gaps, mode, streams, cuts
 
 
 def _compressor(cfg: CodecConfig):
@@ -244,9 +249,10 @@ def encode(
             if ch.count * (width + s.itemsize) < s.numel * s.itemsize:
                 sparse = (gaps, width)
         if sparse is not None and fmt >= 3:
-            gaps, mode, vstreams = _sparse_v3(s, ch, base_bits(s.name), config)
+            gaps, mode, vstreams, cuts = _sparse_v3(s, ch, base_bits(s.name), config)
             width = _gap_width(int(gaps.max()))
             entry.update(encoding="sparse", nnz=ch.count, gap_width=width, values=mode)
+            entry["context"] = cuts
             for p, plane in enumerate(byte_planes(gaps, width)):
                 streams[f"g{p}"] = [plane]
             streams.update(vstreams)
@@ -372,14 +378,14 @@ def _split_bucket(
 
 
 def _sparse_v3_values(
-    s: TensorSpec, pos: np.ndarray, vals: np.ndarray, signs, mode: str, old_full: np.ndarray
+    s: TensorSpec, pos: np.ndarray, vals: np.ndarray, signs, mode: str, old_full, cuts: list
 ) -> tuple[np.ndarray, np.ndarray]:
     """Flat-sorted (index, new bits) of a format-3 sparse entry, given the leaf's old bits."""
     old_full = np.asarray(old_full).reshape(-1)
     if old_full.size != s.numel or old_full.dtype.itemsize != s.itemsize:
         raise ValueError(f"base bits of {s.name}: {old_full.shape}/{old_full.dtype} != {s}")
     old_full = old_full.view(uint_dtype(s.itemsize))
-    index = context_select(exponent_key(old_full, s.dtype), pos)
+    index = context_select(old_full, s.dtype, cuts, pos)
     old = old_full[index]
     if mode == "new":
         new = vals
@@ -514,7 +520,9 @@ def decode(
             if contextual:  # positions in context order, values in that order
                 signs = take(entry, s.name, "s", (nnz + 7) // 8) if mode == "step" else None
                 _check(index[-1] < s.numel, f"tensor {s.name}: positions out of [0, {s.numel})")
-                index, bits = _sparse_v3_values(s, index, vals, signs, mode, base(s.name))
+                old_full = base(s.name)
+                cuts = entry["context"]  # checked by stream_sizes
+                index, bits = _sparse_v3_values(s, index, vals, signs, mode, old_full, cuts)
                 out[s.name] = TensorPatch(s, "sparse", index=index, bits=bits)
                 continue
             _check(

@@ -24,6 +24,7 @@ import re
 import secrets
 import struct
 
+from sparserl_jax.sync.context import MAX_CUTS, max_exponent
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
 
 __all__ = [
@@ -165,6 +166,15 @@ def stream_sizes(
             need[b][f"v{p}"] += nnz
         if mode == "step":
             need[b]["s"] += (nnz + 7) // 8
+        if fmt >= 3:
+            cuts, top = entry.get("context"), max_exponent(s.dtype)
+            corrupt_unless(
+                isinstance(cuts, list)
+                and len(cuts) <= (MAX_CUTS if top else 0)
+                and all(is_uint(t, 1) and t <= top for t in cuts)
+                and cuts == sorted(set(cuts)),  # strictly increasing
+                f"tensor {s.name}: bad context cuts {cuts!r}",
+            )
     return need
 
 

@@ -1,7 +1,9 @@
 """Codec property tests: encode -> decode -> rebuild is bit-identical in formats 2 and 3 (the
 context-coded one, decoded against the receiver's old bits); corruption is refused."""
 
+import dataclasses
 import hashlib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,13 +19,15 @@ from sparserl_jax.sync import (
     decode,
     encode,
 )
+from sparserl_jax.sync import codec as codec_module
 from sparserl_jax.sync.codec import ITEMSIZES, read_header
-from sparserl_jax.sync.context import from_line, to_line
+from sparserl_jax.sync.context import MAX_CUTS, from_line, max_exponent, to_line
 from sparserl_jax.testing.sync import mutate, np_digest, random_bits
 
 DTYPES = ["bfloat16", "float32", "float16", "int32", "int8", "uint16", "bool"]
 SHAPES = [(), (1,), (7,), (5, 3), (40, 30), (3, 4, 5), (0, 4), (300,)]
 PATTERNS = ["none", "sparse", "signs", "nudge", "ulp", "all"]
+VALUES_3 = ["auto", "new", "xor", "step"]
 
 
 def ulp_steps(rng, old: np.ndarray, density: float) -> np.ndarray:
@@ -299,9 +303,11 @@ def test_values_mode_is_the_measured_smaller_one():
         assert len(blob) < len(other), (want, len(blob), len(other))
 
 
-def test_format_3_layout_hand_computed():
-    # Odd elements hold 1.0 (exponent 127), even ones 2.0 (exponent 128): the context order lists
-    # the 15 odd elements (positions 0..14), then the 15 even ones (15..29). Changes: flat 3 one
+def test_format_3_layout_hand_computed(monkeypatch):
+    # Odd elements hold 1.0 (exponent 127), even ones 2.0 (exponent 128); with the cut at 128
+    # (pinned here: on 30 elements the encoder finds a cut not worth its header bytes) the
+    # context order lists the 15 odd elements (positions 0..14), then the 15 even ones (15..29).
+    # Changes: flat 3 one
     # ulp up (position 1), flat 29 one ulp down (position 14), flat 12 two ulps up (6th even
     # element: position 21). Gaps 1, 12, 6; steps +1, -1, +2 in that order: sign bits 0, 1, 0
     # packed LSB first (0x02), |step| - 1 = 0, 0, 1 in two byte planes.
@@ -309,13 +315,14 @@ def test_format_3_layout_hand_computed():
     new = old.copy()
     new[[3, 29, 12]] = [0x3F81, 0x3F7F, 0x4002]
     leaves = [(TensorSpec("w", (30,), "bfloat16"), old, new)]
+    monkeypatch.setattr(codec_module, "choose_cuts", lambda *a, **k: [128])
     blob = encode_case(leaves, CodecConfig(compression="none", values="step"))
     header = read_header(blob)
     (entry,) = header["tensors"]
     assert (header["format"], entry["encoding"], entry["nnz"], entry["gap_width"]) == (
         3, "sparse", 3, 1,
     )  # fmt: skip
-    assert entry["values"] == "step" and "name" not in entry
+    assert entry["values"] == "step" and entry["context"] == [128] and "name" not in entry
     (bucket,) = header["buckets"]
     # Streams g0..g3, v0..v3, s, d as [stored, raw].
     assert bucket["streams"] == [[3, 3]] + [[0, 0]] * 3 + [[3, 3], [3, 3]] + [[0, 0]] * 2 + [
@@ -326,3 +333,24 @@ def test_format_3_layout_hand_computed():
     np.testing.assert_array_equal(t.index, [3, 12, 29])
     np.testing.assert_array_equal(t.bits, [0x3F81, 0x4002, 0x3F7F])
     assert not t.xor
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases(), st.data())
+def test_format_3_round_trip_with_any_valid_cuts(case, data):
+    # The encoder's cut choice is a heuristic: whatever cuts it picks, decoding must invert them.
+    leaves, config = case
+    config = dataclasses.replace(config, format=3, values=data.draw(st.sampled_from(VALUES_3)))
+    seed = data.draw(st.integers(0, 2**31))
+
+    def any_cuts(old_bits, changed_old, dtype):
+        top = max_exponent(dtype)
+        rng = np.random.default_rng(seed)
+        k = int(rng.integers(0, MAX_CUTS + 1)) if top else 0
+        return sorted(set(rng.integers(1, top + 1, k).tolist())) if k else []
+
+    with mock.patch.object(codec_module, "choose_cuts", any_cuts):
+        blob = encode_case(leaves, config)
+    got = rebuild(decode_case(blob, leaves), leaves)
+    for s, _, new in leaves:
+        np.testing.assert_array_equal(got[s.name], new, err_msg=s.name)

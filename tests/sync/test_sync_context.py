@@ -6,45 +6,65 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sparserl_jax.sync.context import (
+    MAX_CUTS,
+    choose_cuts,
     context_rank,
     context_select,
     entropy_bound,
     exponent_key,
     from_line,
+    max_exponent,
     to_line,
 )
 
+FLOATS = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
 
 def sorted_positions(key: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """The reference: each element's place in a stable sort of the leaf by key."""
+    """The reference: each element's place in a stable sort of the leaf by class."""
     order = np.argsort(key, kind="stable")
     inverse = np.empty(key.size, np.int64)
     inverse[order] = np.arange(key.size)
     return inverse[index]
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(
+    dtype=st.sampled_from(sorted(FLOATS)),
     n=st.integers(1, 700),
-    classes=st.integers(1, 256),
     density=st.floats(0.0, 1.0),
     seed=st.integers(0, 2**31),
+    data=st.data(),
 )
-def test_context_rank_is_a_stable_sort_by_key_and_select_inverts_it(n, classes, density, seed):
+def test_context_rank_is_a_stable_sort_by_class_and_select_inverts_it(
+    dtype, n, density, seed, data
+):
     rng = np.random.default_rng(seed)
-    key = rng.integers(256 - classes, 256, n).astype(np.uint8)  # includes key 255
+    size = FLOATS[dtype]
+    bits = rng.integers(0, 2 ** (8 * size), n, dtype=np.uint64).astype(f"<u{size}")
+    top = max_exponent(dtype)
+    cuts = sorted(data.draw(st.sets(st.integers(1, top), max_size=MAX_CUTS)))
     index = np.flatnonzero(rng.random(n) < density)
-    pos = context_rank(key, index)
-    np.testing.assert_array_equal(pos, sorted_positions(key, index))
-    np.testing.assert_array_equal(context_select(key, pos), index)
+    cls = np.searchsorted(cuts, exponent_key(bits, dtype), side="right")
+    pos = context_rank(bits, dtype, cuts, index)
+    np.testing.assert_array_equal(pos, sorted_positions(cls, index))
+    np.testing.assert_array_equal(context_select(bits, dtype, cuts, pos), index)
     ordered = np.sort(pos)  # as the decoder sees them: in context order
-    np.testing.assert_array_equal(context_select(key, ordered), pos_to(key, ordered))
-    np.testing.assert_array_equal(context_rank(None, index), index)  # no key: flat order
+    reference = np.argsort(cls, kind="stable")[ordered]
+    np.testing.assert_array_equal(context_select(bits, dtype, cuts, ordered), reference)
+    np.testing.assert_array_equal(context_rank(bits, dtype, [], index), index)  # flat order
 
 
-def pos_to(key, pos):
-    """The reference inverse: the flat index at each context position."""
-    return np.argsort(key, kind="stable")[pos]
+def test_cuts_split_classes_of_different_change_rates():
+    rng = np.random.default_rng(1)
+    # Exponents 120..123 (small values) change often, 124..127 rarely.
+    e = rng.integers(120, 128, 50_000)
+    bits = ((e << 7) | rng.integers(0, 128, e.size)).astype(np.uint16)
+    changed = rng.random(e.size) < np.where(e < 124, 0.3, 0.003)
+    cuts = choose_cuts(bits, bits[changed], "bfloat16")
+    assert 124 in cuts and len(cuts) <= MAX_CUTS
+    assert choose_cuts(bits, bits[changed], "int16") == []
+    assert choose_cuts(bits, bits[:0], "bfloat16") == []
 
 
 def test_exponent_keys_per_dtype():

@@ -6,10 +6,11 @@ Layout (full spec in `docs/sync_format.md`):
 
 Format 3 (the default; `CodecConfig(format=2)` still writes the previous layout, and every format
 stays readable) codes a sparse tensor against the receiver's old bits (`context.py`): changed
-positions as gaps between their ranks in the *context order* (elements grouped by their old
-exponent), values in that order as new bits, XOR or signed steps on the ordered bit line (sign
-bits packed in stream `s`, `|step| - 1` in the value planes); its header is zstd-compressed JSON
-that names tensors only in anchors. Decoding a format-3 patch needs the old bits (`base`).
+positions as gaps between their ranks in the *context order* (elements grouped into up to five
+ranges of their old exponent, the `context` cuts of the entry), values in that order as new
+bits, XOR or signed steps on the ordered bit line (sign bits packed in stream `s`, `|step| - 1`
+in the value planes); its header is zstd-compressed JSON that names tensors only in anchors.
+Decoding a format-3 patch needs the old bits (`base`).
 The rest of this docstring describes what all formats share.
 
 Each tensor is `unchanged`, `sparse` (sorted flat indices as gaps `idx[k] - idx[k-1] - 1`, stored

@@ -28,8 +28,8 @@ from flax import nnx
 
 from benchmarks.bigram import stream
 from sparserl_jax.models import Transformer, model_preset
+from sparserl_jax.sync import entropy_bound
 from sparserl_jax.sync.codec import CodecConfig
-from sparserl_jax.sync.context import entropy_bound
 from sparserl_jax.sync.publisher import Publisher, SyncConfig
 from sparserl_jax.sync.receiver import Receiver
 from sparserl_jax.sync.transport import InProcessTransport

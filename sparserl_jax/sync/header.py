@@ -8,10 +8,10 @@ maximum before reading or inflating it, checks the checksum and the fields every
 shares, and returns the header with the identity fields of format 2 (`run_id`, `base_digest`;
 both None in a format-1 blob). Format 2 added only those two fields; format 3 compresses the
 header, names tensors only in anchors (a patch carries the `manifest_digest` of the receiver's
-tensor list instead), drops the derivable stream offsets and adds the sign stream `s`
-(docs/sync_format.md). `parse_spec`, `stream_sizes` and `bucket_table` validate the manifest and
-derive from its shapes the exact raw size of every stream, so no size a blob claims is trusted
-before `codec.decode` reads or inflates anything.
+tensor list instead), drops the derivable stream offsets, adds the sign stream `s` and each
+sparse entry's exponent `context` cuts (docs/sync_format.md). `parse_spec`, `stream_sizes` and
+`bucket_table` validate the manifest and derive from its shapes the exact raw size of every
+stream, so no size a blob claims is trusted before `codec.decode` reads or inflates anything.
 """
 
 from __future__ import annotations

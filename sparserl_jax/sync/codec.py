@@ -42,6 +42,7 @@ from sparserl_jax.sync.context import (
     choose_cuts,
     context_rank,
     context_select,
+    exponent_key,
     from_line,
     to_line,
 )
@@ -154,8 +155,9 @@ def _steps(old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[np.ndarray,
     return signs, (np.abs(step) - 1).astype(uint_dtype(itemsize))
 
 
-def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig) -> str:
-    """New bits, XOR or steps: with no entropy stage new bits are never larger, so send them."""
+def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig, steps=None) -> str:
+    """New bits, XOR or (`steps`: format 3's `_steps`) steps: with no entropy stage new bits are
+    never larger, so send them."""
     if config.values != "auto":
         return config.values
     if config.compression == "none":
@@ -164,8 +166,8 @@ def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig) -> str:
         "new": entropy_bytes(byte_planes(ch.new, itemsize)),
         "xor": entropy_bytes(byte_planes(ch.delta, itemsize)),
     }
-    if config.format >= 3:
-        signs, mags = _steps(ch.old, ch.new, itemsize)
+    if steps is not None:
+        signs, mags = steps
         cost["step"] = signs.size + entropy_bytes(byte_planes(mags, itemsize))
     return min(cost, key=cost.get)  # ties: the first, "new"
 
@@ -178,14 +180,19 @@ def _sparse_v3(s: TensorSpec, ch: LeafChanges, old_bits: np.ndarray, config: Cod
     old_bits = old_bits.reshape(-1).view(uint_dtype(s.itemsize))
     cuts = choose_cuts(old_bits, ch.old, s.dtype)
     pos = context_rank(old_bits, s.dtype, cuts, ch.index)
-    order = np.argsort(pos, kind="stable")
-    pos = pos[order]
-    ch = LeafChanges(ch.index[order], ch.delta[order], ch.old[order])
+    if cuts:
+        # Within a class positions rise with the (sorted) flat index: context order is a stable
+        # sort by class, a radix sort of small ints.
+        cls = np.searchsorted(cuts, exponent_key(ch.old, s.dtype), side="right").astype(np.uint8)
+        order = np.argsort(cls, kind="stable")
+        pos = pos[order]
+        ch = LeafChanges(ch.index[order], ch.delta[order], ch.old[order])
     gaps = np.diff(pos, prepend=-1) - 1
-    mode = _value_mode(ch, s.itemsize, config)
+    steps = None if config.values in ("new", "xor") else _steps(ch.old, ch.new, s.itemsize)
+    mode = _value_mode(ch, s.itemsize, config, steps)
     streams = {}
     if mode == "step":
-        signs, vals = _steps(ch.old, ch.new, s.itemsize)
+        signs, vals = steps
         streams["s"] = [signs]
     else:
         vals = ch.delta if mode == "xor" else ch.new

@@ -173,12 +173,10 @@ def context_rank(
         return index.copy()
     ranges = _Ranges(old_bits, dtype, cuts)
     cls = np.searchsorted(cuts, exponent_key(old_bits.reshape(-1)[index], dtype), side="right")
-    pos = np.empty(index.size, np.int64)
-    for j in np.unique(cls).tolist():
-        sel = cls == j
-        i = index[sel]
-        pos[sel] = ranges.starts[j] + ranges.count_below(j + 1, i) - ranges.count_below(j, i)
-    return pos
+    # below[j]: elements before each index in classes < j (j = 0 .. len(cuts) + 1).
+    below = np.stack([ranges.count_below(j, index) for j in range(len(cuts) + 2)])
+    at = np.arange(index.size)
+    return ranges.starts[cls] + below[cls + 1, at] - below[cls, at]
 
 
 def context_select(
@@ -190,10 +188,15 @@ def context_select(
     if not cuts or pos.size == 0:
         return pos.copy()
     ranges = _Ranges(old_bits, dtype, cuts)
-    cls = np.searchsorted(ranges.starts, pos, side="right") - 1
+    if pos.size < 2 or not np.any(pos[1:] < pos[:-1]):  # sorted (as decoded): classes are runs
+        bounds = np.searchsorted(pos, ranges.starts).tolist()
+        groups = [(j, slice(bounds[j], bounds[j + 1])) for j in range(len(bounds) - 1)]
+        groups = [(j, sel) for j, sel in groups if sel.stop > sel.start]
+    else:
+        cls = np.searchsorted(ranges.starts, pos, side="right") - 1
+        groups = [(j, cls == j) for j in np.unique(cls).tolist()]
     out = np.empty(pos.size, np.int64)
-    for j in np.unique(cls).tolist():
-        sel = cls == j
+    for j, sel in groups:
         r = pos[sel] - ranges.starts[j]  # rank within class j
         words = ranges.class_words(j)
         before = np.zeros(words.size + 1, np.int64)
@@ -204,7 +207,7 @@ def context_select(
         b = np.zeros(w.size, np.int64)
         for step in (32, 16, 8, 4, 2, 1):
             take = np.bitwise_count(word & _low_mask(b + step)) <= k
-            b += np.where(take, step, 0)
+            b += take * step
         out[sel] = w * 64 + b
     return out
 
@@ -217,8 +220,8 @@ def to_line(bits: np.ndarray, itemsize: int) -> np.ndarray:
     is a step of 1 (NaN and inf patterns sit beyond the finite values; ints map the same way).
     """
     top = 1 << (8 * itemsize - 1)
-    b = bits.astype(np.int64)
-    return np.where(b >= top, top - 1 - b, b)
+    b = bits.astype(np.int32 if itemsize < 4 else np.int64)
+    return np.where(b >= top, top - 1 - b, b).astype(np.int64, copy=False)
 
 
 def from_line(line: np.ndarray, itemsize: int) -> np.ndarray:

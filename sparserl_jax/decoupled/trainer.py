@@ -41,6 +41,7 @@ from sparserl_jax.config import Config, to_dict
 from sparserl_jax.data import (
     PromptLimit,
     eval_examples,
+    iterator_state,
     make_reward_fn,
     prompt_dataset,
     resume_iterator,
@@ -66,14 +67,6 @@ def exchange_url(cfg: Config) -> str:
     if cfg.exchange.url:
         return cfg.exchange.url
     return f"file://{Path(cfg.run_dir).absolute()}/exchange/"
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x.item() if isinstance(x, np.generic) else x
 
 
 def _restore(cfg: Config, learner: Learner, model, tokenizer, ckpt, log_fn):
@@ -201,7 +194,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     def save(step: int) -> None:
         keep = range(publisher.version - acfg.max_staleness, publisher.version + 1)
         meta = {
-            "data_state": _jsonable(queue.data_it.get_state()),
+            "data_state": iterator_state(queue.data_it),
             "sync_version": publisher.version,
             "sync_run_id": publisher.run_id,
             "async": queue.state(),

@@ -240,6 +240,19 @@ def plot_metrics(
     return out
 
 
+def record_evaluation(summary: dict, val: Mapping[str, float], step: int, when: str, log_fn):
+    """Keep a "before" or "after" held-out evaluation in `summary` (`val_reward_{when}`, ...)
+    and log it in one line; `val` empty (no held-out set): nothing."""
+    if not val:
+        return
+    summary[f"val_reward_{when}"] = val["val/reward_mean"]
+    summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
+    log_fn(
+        f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
+        f"{val['val/greedy_reward_mean']:.3f} (greedy)"
+    )
+
+
 def summarise_rewards(
     summary: dict, rewards_seen: list[float], temperature, start: int, end: int, log_fn
 ) -> None:

@@ -52,6 +52,7 @@ from sparserl_jax.metrics import (
     MetricsWriter,
     jsonable_row,
     plot_metrics,
+    record_evaluation,
     step_metrics,
     summarise_rewards,
     truncate_metrics,
@@ -366,13 +367,8 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
     def evaluate(step: int, key: str, when: str) -> dict[str, float]:
         with guard.abortable(f"{key}:{step}", f"the held-out evaluation {when} step {step}"):
             val = run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn)
-        if val and key != "eval":
-            summary[f"val_reward_{when}"] = val["val/reward_mean"]
-            summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
-            log_fn(
-                f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
-                f"{val['val/greedy_reward_mean']:.3f} (greedy)"
-            )
+        if key != "eval":
+            record_evaluation(summary, val, step, when, log_fn)
         return val
 
     step = saved = run.start_step  # checkpoint `saved` is on disk (or being written)

@@ -51,7 +51,13 @@ from sparserl_jax.decoupled.evaluate import Evaluator
 from sparserl_jax.decoupled.exchange import Exchange, Rollout
 from sparserl_jax.decoupled.ledger import Ledger
 from sparserl_jax.decoupled.queue import WorkQueue
-from sparserl_jax.metrics import MetricsWriter, step_metrics, summarise_rewards, truncate_metrics
+from sparserl_jax.metrics import (
+    MetricsWriter,
+    record_evaluation,
+    step_metrics,
+    summarise_rewards,
+    truncate_metrics,
+)
 from sparserl_jax.parallel import make_mesh
 from sparserl_jax.rl import Learner
 from sparserl_jax.sft import sft_warm_start
@@ -174,13 +180,8 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
 
     def evaluate(step: int, when: str | None) -> dict[str, Any]:
         val = evaluator(publisher.transport) if evaluator is not None else {}
-        if val and when is not None:
-            summary[f"val_reward_{when}"] = val["val/reward_mean"]
-            summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
-            log_fn(
-                f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
-                f"{val['val/greedy_reward_mean']:.3f} (greedy)"
-            )
+        if when is not None:
+            record_evaluation(summary, val, step, when, log_fn)
         return val
 
     pulse = _Pulse(ex, epoch, xcfg.lease_s)

@@ -55,9 +55,14 @@ ARMS: dict[str, list[str]] = {
 }
 
 
-def run_arm(config: str, overrides: list[str], run_dir: Path, checkpoints: Path) -> dict:
+def run_arm(
+    config: str, overrides: list[str], run_dir: Path, checkpoints: Path, *, rerun: bool = True
+) -> dict:
     """One `sparserl train` run in `run_dir`, started from a copy of `checkpoints` (the shared
-    SFT step 0). Returns its metrics rows and wall time."""
+    SFT step 0). Returns its metrics rows and wall time. `rerun=False` reads the rows a
+    finished run left in `run_dir` instead (to re-analyse, e.g. with another smoothing)."""
+    if not rerun:
+        return {"rows": read_metrics(run_dir / "metrics.jsonl"), "wall_s": 0.0}
     if run_dir.exists():
         shutil.rmtree(run_dir)
     shutil.copytree(checkpoints, run_dir / "checkpoints")
@@ -152,6 +157,7 @@ def summarise_arm(
             else None
         )
         learn = [r for r in rows if "dgg/fires" in r]
+        final_val = float(c["val_reward"][-1]) if c["val_reward"].size else None
         per_seed.append(
             {
                 "target_train": target_train,
@@ -161,7 +167,12 @@ def summarise_arm(
                 "single_batches_to_target_train": base_train,
                 "single_batches_to_target_val": base_val,
                 "final_train_smoothed": float(tr[-1]),
-                "final_val": float(c["val_reward"][-1]) if c["val_reward"].size else None,
+                "final_val": final_val,
+                # The paper's second half: never ending below the single-use run.
+                "ends_below_single_train": bool(tr[-1] < target_train - 1e-12),
+                "ends_below_single_val": (
+                    bool(final_val < target_val - 1e-12) if target_val is not None else None
+                ),
                 "start_val": float(c["val_reward"][0]) if c["val_reward"].size else None,
                 "fires_per_batch": float(np.mean([r["dgg/fires"] for r in learn])),
                 "passes_applied_per_batch": float(
@@ -181,7 +192,9 @@ def summarise_arm(
         ratios = [s[base_key] / s[key] for s in per_seed if s[key] is not None and s[base_key]]
         return float(np.mean(ratios)) if len(ratios) == len(per_seed) else None
 
-    out = {k: mean(k) for k in per_seed[0]}
+    out = {k: mean(k) for k in per_seed[0] if not k.startswith("ends_below")}
+    for key in ("ends_below_single_train", "ends_below_single_val"):
+        out[key] = sum(bool(s[key]) for s in per_seed)  # how many seeds
     out["reached_train"] = sum(s["batches_to_target_train"] is not None for s in per_seed)
     out["reached_val"] = sum(s["batches_to_target_val"] is not None for s in per_seed)
     out["speedup_train"] = speedup("single_batches_to_target_train", "batches_to_target_train")

@@ -46,10 +46,15 @@ def test_summarise_arm_counts_batches_to_the_single_use_reward():
     assert fig["speedup_train"] == pytest.approx(2.0)
     assert fig["batches_to_target_val"] == 4 and fig["speedup_val"] == pytest.approx(2.0)
     assert fig["gate"]["z_pass1_above_tau"] == 1.0 and fig["gate"]["z_later_above_tau"] == 1.0
+    assert fig["ends_below_single_train"] == 0 and fig["ends_below_single_val"] == 0
     slow = rows([0.1] * 8)
     fig = summarise_arm([slow], [single], smooth=2, tau=0.3)
     assert fig["batches_to_target_train"] is None and fig["reached_train"] == 0
     assert fig["speedup_train"] is None
+    # Reaching the target on the way down still counts as reaching it; ending below is reported.
+    peaked = rows([0.9, 0.9, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1])
+    fig = summarise_arm([peaked], [single], smooth=1, tau=0.3)
+    assert fig["batches_to_target_train"] == 1 and fig["ends_below_single_train"] == 1
 
 
 @pytest.mark.slow

@@ -41,6 +41,11 @@ def main() -> None:
         help="a run's checkpoints dir whose step 0 is the SFT start to share (default: run the "
         "config's SFT warm start once)",
     )
+    p.add_argument(
+        "--analyse-only",
+        action="store_true",
+        help="run nothing: re-read the arms' metrics under --out (same flags as the run)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny config, 3 steps, 2 arms")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every arm")
     a = p.parse_args()
@@ -61,7 +66,9 @@ def main() -> None:
         "train.progress=false",
         *a.overrides,
     ]
-    if a.warm_checkpoints:  # step 0 only: a later checkpoint would be resumed instead
+    if a.analyse_only:
+        ckpts = out / "warm" / "checkpoints"
+    elif a.warm_checkpoints:  # step 0 only: a later checkpoint would be resumed instead
         ckpts = out / "warm" / "checkpoints"
         shutil.rmtree(ckpts, ignore_errors=True)
         shutil.copytree(Path(a.warm_checkpoints) / "0", ckpts / "0")
@@ -87,6 +94,7 @@ def main() -> None:
                     ],
                     out / regime / f"{arm}_s{seed}",
                     ckpts,
+                    rerun=not a.analyse_only,
                 )
                 results[regime][arm].append(run["rows"])
                 walls.append(run["wall_s"])

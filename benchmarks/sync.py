@@ -11,6 +11,10 @@ Every patch is applied by three receivers side by side: `Receiver(verify="all")`
 `Receiver(verify="touched")` and the pre-issue-19 apply (`benchmarks.sync_apply_v1`, "before"),
 each timed and checked bit for bit. The XLA executables built during each step's publish and
 each receiver's apply are counted (`sparserl_jax.compiles`).
+The same masters also go through a second publisher/receiver pair writing the previous wire format
+(format 2, untimed), so each step reports the bytes per changed element of both formats side by
+side, and the empirical entropy bound of the patch given the receiver's context
+(`context.entropy_bound`: mask entropy per leaf and old exponent + value-step entropy).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from benchmarks.bigram import stream
 from benchmarks.sync_apply_v1 import ReceiverV1
 from sparserl_jax.compiles import CompileCount
 from sparserl_jax.models import Transformer, model_preset
+from sparserl_jax.sync import entropy_bound
 from sparserl_jax.sync.codec import CodecConfig
 from sparserl_jax.sync.publisher import Publisher, SyncConfig
 from sparserl_jax.sync.receiver import Receiver
@@ -99,11 +104,13 @@ def run(cfg: BenchConfig, log=None) -> dict:
             lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), tree
         )
 
-    sync_cfg = SyncConfig(
-        anchor_every=cfg.anchor_every, codec=CodecConfig(zstd_level=cfg.zstd_level)
-    )
-    transport = InProcessTransport()
-    pub = Publisher(transport, config=sync_cfg)
+    def sync_config(fmt: int) -> SyncConfig:
+        codec = CodecConfig(zstd_level=cfg.zstd_level, format=fmt)
+        return SyncConfig(anchor_every=cfg.anchor_every, codec=codec)
+
+    transport, transport_f2 = InProcessTransport(), InProcessTransport()
+    pub = Publisher(transport, config=sync_config(3))
+    pub_f2 = Publisher(transport_f2, config=sync_config(2))  # untimed: sizes side by side
     device = jax.devices()[-1]  # the sampler's device (the last fake CPU device when several)
     sharding = jax.sharding.SingleDeviceSharding(device)
     receivers = {
@@ -111,12 +118,17 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "touched": Receiver(lambda name, shape: sharding, verify="touched"),
         "before": ReceiverV1(lambda name, shape: sharding),
     }
+    rc_f2 = Receiver(lambda name, shape: sharding)
     first = pub.publish(nnx.to_pure_dict(params))
+    pub_f2.publish(nnx.to_pure_dict(params))
     master_per_published = sum(x.nbytes for x in jax.tree.leaves(params)) / first.dense_bytes
     for rc in receivers.values():
         rc.sync(transport)
+    rc_f2.sync(transport_f2)
+    prev = [np.asarray(x) for x in jax.tree.leaves(published_bits(nnx.to_pure_dict(params)))]
     batches = map(jnp.asarray, stream(vocab, cfg.batch, cfg.seq_len, cfg.seed + 1))
     steps, enc_s, enc_cpu_s, scanned = [], 0.0, 0.0, 0
+    enc_s_f2, app_s_f2 = 0.0, 0.0
     app_s, app_cpu_s = dict.fromkeys(receivers, 0.0), dict.fromkeys(receivers, 0.0)
     compiles = {k: [] for k in ("publish", *receivers)}
     for step in range(cfg.steps):
@@ -145,6 +157,19 @@ def run(cfg: BenchConfig, log=None) -> dict:
                 np.array_equal(e, np.asarray(rc.arrays[n]).view(np.uint16))
                 for n, e in zip(pub.names, expect, strict=True)
             )
+        t2 = time.perf_counter()
+        out_f2 = pub_f2.publish(master)
+        t3 = time.perf_counter()
+        rc_f2.apply(transport_f2.get(out_f2.version, "patch"))
+        jax.block_until_ready(list(rc_f2.arrays.values()))
+        t4 = time.perf_counter()
+        identical &= all(
+            np.array_equal(e, np.asarray(rc_f2.arrays[n]).view(np.uint16))
+            for n, e in zip(pub.names, expect, strict=True)
+        )
+        bounds = [entropy_bound(o, e, "bfloat16") for o, e in zip(prev, expect, strict=True)]
+        bound = np.sum(bounds, axis=0)
+        prev = expect
         # Anchors (every K versions) are timed apart: encode GB/s is the per-step patch path.
         if step or cfg.steps == 1:  # step 1 includes jit compilation
             enc_s += t1 - t0 - out.anchor_s
@@ -152,6 +177,8 @@ def run(cfg: BenchConfig, log=None) -> dict:
             for name, (w, c) in rec_apply.items():
                 app_s[name] += w
                 app_cpu_s[name] += c
+            enc_s_f2 += t3 - t2 - out_f2.anchor_s
+            app_s_f2 += t4 - t3
             scanned += out.dense_bytes
         changed = out.total_changed
         rec = {
@@ -161,6 +188,11 @@ def run(cfg: BenchConfig, log=None) -> dict:
             "dense_bf16_bytes": out.dense_bytes,
             "ratio": out.dense_bytes / len(out.patch),
             "bytes_per_changed": len(out.patch) / max(changed, 1),
+            "payload_bytes_format2": len(out_f2.patch),
+            "bytes_per_changed_format2": len(out_f2.patch) / max(changed, 1),
+            "bound_mask_bytes": float(bound[0]),
+            "bound_value_bytes": float(bound[1]),
+            "bound_per_changed": float(bound.sum()) / max(changed, 1),
             "bit_identical": bool(identical),
             "loss": float(loss),
             "encode_s": t1 - t0 - out.anchor_s,
@@ -196,6 +228,13 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "steps": steps,
         "ratio_median": statistics.median(s["ratio"] for s in steps),
         "bytes_per_changed_median": statistics.median(s["bytes_per_changed"] for s in steps),
+        "bytes_per_changed_format2_median": statistics.median(
+            s["bytes_per_changed_format2"] for s in steps
+        ),
+        "ratio_format2_median": statistics.median(
+            s["dense_bf16_bytes"] / s["payload_bytes_format2"] for s in steps
+        ),
+        "bound_per_changed_median": statistics.median(s["bound_per_changed"] for s in steps),
         "sparsity_median": statistics.median(s["sparsity"] for s in steps),
         # Baseline: each dense bf16 tensor through zstd level 3 (stronger than the patch's level).
         "zstd_dense_bf16_bytes": _zstd_size(pub.sent_bits, 3),
@@ -214,6 +253,9 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "last_compiling_step": {
             k: max((i + 1 for i, n in enumerate(v) if n), default=0) for k, v in compiles.items()
         },
+        # The same, for the format-2 publisher and receiver on the same masters (same load).
+        "encode_gb_per_s_format2": scanned / enc_s_f2 / 1e9,
+        "apply_gb_per_s_format2": scanned / app_s_f2 / 1e9,
         "loadavg_1m": os.getloadavg()[0],  # other work on the machine slows every timing
         "all_bit_identical": all(s["bit_identical"] for s in steps),
     }

@@ -41,7 +41,12 @@ class ReceiverV1(Receiver):
 
     def apply(self, blob: bytes) -> int:
         self._check_order(codec.read_header(blob, max_header_bytes=self.max_header_bytes))
-        patch = codec.decode(blob, expect=self.specs, max_header_bytes=self.max_header_bytes)
+        patch = codec.decode(
+            blob,
+            expect=self.specs,
+            base=lambda name: np.asarray(self.arrays[name]),
+            max_header_bytes=self.max_header_bytes,
+        )
         specs = [t.spec for t in patch.tensors.values()]
         arrays = dict(self.arrays)
         for name, t in patch.tensors.items():

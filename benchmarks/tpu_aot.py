@@ -31,7 +31,7 @@ from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.models import ModelConfig, Transformer, model_preset
 from sparserl_jax.parallel import MeshConfig, make_mesh, state_shardings
 from sparserl_jax.rl.config import LearnerConfig
-from sparserl_jax.rl.learner import Learner, LearnerState, RLBatch
+from sparserl_jax.rl.learner import Learner, LearnerState, RLBatch, _micro_loss
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
@@ -231,6 +231,27 @@ def hidden_states_program(model_cfg: ModelConfig, device, *, batch=1, seq_len=40
     return compile_program(device, jax.jit(jax.value_and_grad(loss)), params, tokens)
 
 
+def loss_grad_program(
+    model_cfg: ModelConfig, lcfg: LearnerConfig, device, *, batch=1, seq_len=4096
+) -> dict:
+    """Compile the learner's own micro-batch loss and its gradient (`rl.learner._micro_loss`
+    under `value_and_grad`; the gradients are outputs, no optimizer) for one chip: the step's
+    temporaries apart from the gradient buffers and the AdamW update."""
+    abstract = _abstract_model(model_cfg.replace(param_dtype="float32"))
+    graphdef, state = nnx.split(abstract)
+    one = SingleDeviceSharding(device)
+    params = _place(nnx.to_pure_dict(state), one)
+    head = params["embed"]["embedding"] if model_cfg.tie_embeddings else None
+    mb = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=one)}
+    for k in ("old_logp", "adv", "pg_coef", "reg_coef", "tok_w"):
+        mb[k] = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=one)
+    loss = functools.partial(
+        _micro_loss, graphdef=graphdef, config=lcfg, tied=model_cfg.tie_embeddings
+    )
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    return compile_program(device, fn, params, head, mb)
+
+
 # ---- kernels and the decode roofline -----------------------------------------------------------
 
 
@@ -365,6 +386,11 @@ def run_all(
         if "learner" in programs:
             res["learner"] = got = learner_program(cfg, lcfg, devices, batch=batch, seq_len=seq_len)
             log(f"{key} learner {_brief({'step': got})}")
+        if "loss_grad" in programs and n == 1:
+            got = loss_grad_program(cfg, lcfg, devices[0], batch=batch, seq_len=seq_len)
+            res["loss_grad"] = got
+            temp = got.get("temp_bytes", 0) / GiB
+            log(f"{key} loss_grad {_brief({'loss+grad': got})} temp {temp:.2f} GiB")
         if "hidden" in programs and n == 1:
             got = hidden_states_program(cfg, devices[0], batch=batch, seq_len=seq_len)
             res["hidden"] = got

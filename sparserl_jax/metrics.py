@@ -113,7 +113,8 @@ def truncate_metrics(run_dir: str | Path, step: int) -> list[dict]:
 
 def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:
     """verl-named learner metrics of one batch from its per-pass metrics (`Learner.train_on_batch`):
-    means over the passes that ran; DGG's energy of the last pass and its largest z."""
+    means over the passes that ran; DGG's energy of the last pass, its largest z, and each
+    pass's increment and z (`dgg/dg_pass{k}`, `dgg/z_pass{k}`)."""
     first = history[0]
 
     def mean(key):
@@ -134,7 +135,13 @@ def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:
         "dgg/passes_run": int(first["passes_run"]),
         "dgg/passes_applied": int(first["passes_applied"]),
         "actor/nonfinite_skips": int(sum(bool(h["nonfinite"]) for h in history)),
+        "dgg/armed_passes": int(sum(bool(h["dgg/armed"]) for h in history)),
     }
+    # Per pass (1-based): the gate's increment and z, to see where it would fire; `dgg/z` above
+    # is the largest z over all passes, pass 1 included, where the gate is never armed.
+    for k, h in enumerate(history, start=1):
+        out[f"dgg/dg_pass{k}"] = float(h["dgg/dg"])
+        out[f"dgg/z_pass{k}"] = float(h["dgg/z"])
     # The correction depends on pi_old and mu only: the same on every pass.
     out.update({k: float(v) for k, v in first.items() if k.startswith("correction/")})
     return out
@@ -238,6 +245,19 @@ def plot_metrics(
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def record_evaluation(summary: dict, val: Mapping[str, float], step: int, when: str, log_fn):
+    """Keep a "before" or "after" held-out evaluation in `summary` (`val_reward_{when}`, ...)
+    and log it in one line; `val` empty (no held-out set): nothing."""
+    if not val:
+        return
+    summary[f"val_reward_{when}"] = val["val/reward_mean"]
+    summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
+    log_fn(
+        f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
+        f"{val['val/greedy_reward_mean']:.3f} (greedy)"
+    )
 
 
 def summarise_rewards(

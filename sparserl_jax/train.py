@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 from tqdm import tqdm
 
 from sparserl_jax.build import build_model, build_tokenizer
@@ -43,6 +42,7 @@ from sparserl_jax.data import (
     PromptLimit,
     encode_prompts,
     eval_examples,
+    iterator_state,
     make_reward_fn,
     prompt_dataset,
     resume_iterator,
@@ -52,6 +52,7 @@ from sparserl_jax.metrics import (
     MetricsWriter,
     jsonable_row,
     plot_metrics,
+    record_evaluation,
     step_metrics,
     summarise_rewards,
     truncate_metrics,
@@ -201,7 +202,7 @@ class _Run:
         """Checkpoint `step` (asynchronously). `pending_row`: the step's metrics row when its
         evaluation was stopped: the next run completes it with its first evaluation."""
         meta = {
-            "data_state": _jsonable(self.data_it.get_state()),
+            "data_state": iterator_state(self.data_it),
             "sync_version": self.publisher.version,
             "sync_run_id": self.publisher.run_id,
         }
@@ -368,13 +369,8 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
             val = run.sampler.evaluate(
                 held_out, held_prompts, run.tokenizer, run.reward_fn, dense=tcfg.eval_dense
             )
-        if val and key != "eval":
-            summary[f"val_reward_{when}"] = val["val/reward_mean"]
-            summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
-            log_fn(
-                f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
-                f"{val['val/greedy_reward_mean']:.3f} (greedy)"
-            )
+        if key != "eval":
+            record_evaluation(summary, val, step, when, log_fn)
         return val
 
     step = saved = run.start_step  # checkpoint `saved` is on disk (or being written)
@@ -391,7 +387,7 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
         if tcfg.progress and tcfg.steps > step:
             bar = tqdm(total=tcfg.steps, initial=step, desc="train", unit="step", file=sys.stderr)
         while step < tcfg.steps and not guard.requested:
-            data_state = _jsonable(run.data_it.get_state())
+            data_state = iterator_state(run.data_it)
             try:
                 metrics = run.step(step + 1, guard)
             except Preempted:  # the step is dropped: its batch comes first in the next run
@@ -445,14 +441,3 @@ def _stopped(summary: dict, guard: PreemptionGuard, step: int | None, log_fn) ->
     summary.update(stopped_by_signal=True, signal=guard.signal_name, end_step=step)
     summary["stopped_during"] = guard.stopped_where
     return summary
-
-
-def _jsonable(x):
-    """A grain iterator state as plain JSON types (numpy scalars become Python numbers)."""
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, np.generic):
-        return x.item()
-    return x

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from sparserl_jax.metrics import MetricsWriter, plot_metrics, read_metrics
+from sparserl_jax.metrics import MetricsWriter, learner_metrics, plot_metrics, read_metrics
 
 
 def test_jsonl_rows_and_plot(tmp_path):
@@ -36,3 +36,22 @@ def test_non_scalar_rejected(tmp_path):
     with MetricsWriter(tmp_path) as w, pytest.raises(ValueError, match="scalars"):
         w.write(1, {"x": np.zeros(3)})
     assert json.loads((tmp_path / "metrics.jsonl").read_text() or "null") is None
+
+
+def test_learner_metrics_per_pass_gate_signals():
+    def pass_metrics(k, z, dg, armed):
+        return {
+            **{key: 0.0 for key in ("pg_loss", "loss", "entropy", "kl", "approx_kl")},
+            **{"clip_fraction": 0.0, "grad_norm": 1.0, "lr": 1e-4, "dgg/g": float(k)},
+            **{"dgg/z": z, "dgg/dg": dg, "dgg/armed": armed, "dgg/fire": False},
+            **{"nonfinite": False, "passes_run": 3, "passes_applied": 3},
+        }
+
+    history = [pass_metrics(1, 2.0, 5.0, False), pass_metrics(2, -0.5, -1.0, True)]
+    history.append(pass_metrics(3, 0.2, -0.25, True))
+    out = learner_metrics(history)
+    # `dgg/z` is the largest z over every pass, the unarmed pass 1 included.
+    assert out["dgg/z"] == 2.0 and out["dgg/armed_passes"] == 2
+    assert [out[f"dgg/z_pass{k}"] for k in (1, 2, 3)] == [2.0, -0.5, 0.2]
+    assert [out[f"dgg/dg_pass{k}"] for k in (1, 2, 3)] == [5.0, -1.0, -0.25]
+    assert "dgg/z_pass4" not in out

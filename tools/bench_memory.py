@@ -67,6 +67,7 @@ def main() -> None:
         "when installed)",
     )
     p.add_argument("--no-learner", action="store_true")
+    p.add_argument("--peer-only", action="store_true", help="of the learners, only the peer's")
     p.add_argument("--no-engine", action="store_true")
     p.add_argument("--engine-presets", nargs="+", choices=memory.PRESETS)
     p.add_argument("--engine-programs", nargs="+", default=["decode", "prefill"])
@@ -99,6 +100,8 @@ def main() -> None:
             presets = [DEFAULT_LEARNER[0][0]]
             for preset, chips in DEFAULT_LEARNER:
                 specs += memory.learner_specs([preset], chips=[chips], **grid)
+        if a.peer_only:
+            specs = []
         if a.peer == "tunix":
             qwen2 = [p_ for p_ in presets if MODEL_PRESETS[p_].family == "qwen2"]
             specs += memory.learner_specs(qwen2, chips=[1], kind="tunix", **grid)

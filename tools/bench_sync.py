@@ -2,9 +2,10 @@
 
     python tools/bench_sync.py --lr 1e-6 --steps 10 --json
 
-Prints one line per step to stderr (sizes, timings, and the XLA executables built by the publish
-and by each receiver's apply: `compiles_*`) and, with --json, one JSON line last on stdout (see
-`benchmarks.sync.run`).
+Prints one line per step to stderr (bytes per changed element in wire formats 3 and 2 side by
+side, the entropy bound given the receiver's context, timings, and the XLA executables built by
+the publish and by each receiver's apply: `compiles_*`) and, with --json, one JSON line last on
+stdout (see `benchmarks.sync.run`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result), flush=True)
     else:
         keys = (
-            "params", "lr", "ratio_median", "bytes_per_changed_median", "encode_gb_per_cpu_s",
+            "params", "lr", "ratio_median", "bytes_per_changed_median",
+            "bytes_per_changed_format2_median", "bound_per_changed_median", "encode_gb_per_cpu_s",
             "apply_gb_per_s", "apply_touched_gb_per_s", "apply_before_gb_per_s",
             "last_compiling_step", "all_bit_identical",
         )  # fmt: skip

@@ -4,6 +4,8 @@
     python tools/bench_tpu_aot.py --topologies v5p:2x2x1 --programs engine --policies rkv
     python tools/bench_tpu_aot.py --topologies v5p:2x2x1 --mesh-topology '' \
         --programs hidden --batch 1 --seq-len 16384 --attention dense   # attention temps alone
+    python tools/bench_tpu_aot.py --topologies v5p:2x2x1 --mesh-topology '' \
+        --programs loss_grad --batch 1 --seq-len 4096 --micro-batches 1  # loss + gradient alone
 
 Needs libtpu (`make test-tpu-aot` builds .venv-tpu). Prints one line per target, then the
 results as one JSON line. Logic: `benchmarks/tpu_aot.py`.
@@ -22,7 +24,10 @@ def main() -> None:
     p.add_argument("--topologies", nargs="*", default=list(tpu_aot.TOPOLOGIES))
     p.add_argument("--mesh-topology", default="v5p:2x2x1", help="'' for none")
     p.add_argument(
-        "--programs", nargs="+", default=["kernels", "engine", "learner"], help="... or hidden"
+        "--programs",
+        nargs="+",
+        default=["kernels", "engine", "learner"],
+        help="... or hidden, loss_grad",
     )
     p.add_argument("--policies", nargs="+", default=list(tpu_aot.POLICIES))
     p.add_argument("--slots", type=int, default=64)

@@ -179,6 +179,20 @@ def prompt_iterator(
     return resume_iterator(ds, state)
 
 
+def iterator_state(it: grain.DatasetIterator) -> dict:
+    """`it.get_state()` in plain JSON types (numpy scalars become Python numbers), for a
+    checkpoint's metadata; `resume_iterator` takes it back."""
+
+    def plain(x):
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x.item() if isinstance(x, np.generic) else x
+
+    return plain(it.get_state())
+
+
 def resume_iterator(ds: grain.IterDataset, state: Mapping[str, Any] | None = None):
     """An iterator over `ds` (from `prompt_dataset`) at `state` (None: the beginning)."""
     it = iter(ds)

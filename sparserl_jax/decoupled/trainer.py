@@ -41,6 +41,7 @@ from sparserl_jax.config import Config, to_dict
 from sparserl_jax.data import (
     PromptLimit,
     eval_examples,
+    iterator_state,
     make_reward_fn,
     prompt_dataset,
     resume_iterator,
@@ -50,7 +51,13 @@ from sparserl_jax.decoupled.evaluate import Evaluator
 from sparserl_jax.decoupled.exchange import Exchange, Rollout
 from sparserl_jax.decoupled.ledger import Ledger
 from sparserl_jax.decoupled.queue import WorkQueue
-from sparserl_jax.metrics import MetricsWriter, step_metrics, summarise_rewards, truncate_metrics
+from sparserl_jax.metrics import (
+    MetricsWriter,
+    record_evaluation,
+    step_metrics,
+    summarise_rewards,
+    truncate_metrics,
+)
 from sparserl_jax.parallel import make_mesh
 from sparserl_jax.rl import Learner
 from sparserl_jax.sft import sft_warm_start
@@ -66,14 +73,6 @@ def exchange_url(cfg: Config) -> str:
     if cfg.exchange.url:
         return cfg.exchange.url
     return f"file://{Path(cfg.run_dir).absolute()}/exchange/"
-
-
-def _jsonable(x):
-    if isinstance(x, dict):
-        return {k: _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x.item() if isinstance(x, np.generic) else x
 
 
 def _restore(cfg: Config, learner: Learner, model, tokenizer, ckpt, log_fn):
@@ -181,13 +180,8 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
 
     def evaluate(step: int, when: str | None) -> dict[str, Any]:
         val = evaluator(publisher.transport) if evaluator is not None else {}
-        if val and when is not None:
-            summary[f"val_reward_{when}"] = val["val/reward_mean"]
-            summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
-            log_fn(
-                f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
-                f"{val['val/greedy_reward_mean']:.3f} (greedy)"
-            )
+        if when is not None:
+            record_evaluation(summary, val, step, when, log_fn)
         return val
 
     pulse = _Pulse(ex, epoch, xcfg.lease_s)
@@ -201,7 +195,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     def save(step: int) -> None:
         keep = range(publisher.version - acfg.max_staleness, publisher.version + 1)
         meta = {
-            "data_state": _jsonable(queue.data_it.get_state()),
+            "data_state": iterator_state(queue.data_it),
             "sync_version": publisher.version,
             "sync_run_id": publisher.run_id,
             "async": queue.state(),

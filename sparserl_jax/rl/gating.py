@@ -15,6 +15,11 @@ population mean/std (no EMA); a fired step appends nothing and leaves `g_prev` a
 cannot poison the statistics; by default `g_prev` carries over from the previous batch
 (`reset_each_batch=True` only counts increments between passes of one batch).
 
+Measured on the demo model (`docs/reproductions.md`, `tools/repro_dgg.py`): g falls over the
+passes of a batch, so with the default window the pass-1 jumps set its std and the gate almost
+never fires; with `reset_each_batch=True` a later pass's smaller drop reads as z > tau and the
+gate fires on most batches at pass 2-3. Neither fire tracked harm there.
+
 The gate follows optax's `init` / `update` shape with a NamedTuple state, so it lives inside the
 jitted learner step; feed it the *globally reduced* energy (under `jit` with sharded gradients a
 plain `jnp.sum` is already global) so every host takes the same decision.

@@ -5,6 +5,7 @@ them, and a `Receiver` validates and applies them bit-exactly on the sampler's d
 """
 
 from sparserl_jax.sync.codec import CodecConfig, Patch, TensorPatch, TensorSpec, decode, encode
+from sparserl_jax.sync.context import entropy_bound
 from sparserl_jax.sync.errors import (
     BaseMismatchError,
     CorruptPatchError,
@@ -86,6 +87,7 @@ __all__ = [
     "decode",
     "diloco_bytes",
     "encode",
+    "entropy_bound",
     "error_feedback",
     "extract_changes",
     "init_cpu_distributed",

@@ -1,11 +1,15 @@
 """PULSESync blob prefix and header: framing, format versions, run identity, manifest bounds.
 
-    b"PSYN" | u32le header_len | blake2b-128(header) | header (UTF-8 JSON) | buckets (codec.py)
+    b"PSYN" | u32le header_len | blake2b-128(header) | header | buckets (codec.py)
 
-`read_header` checks the prefix, bounds `header_len` by a configured maximum before reading it,
-checks the checksum and the fields every format version shares, and returns the header with the
-identity fields of format 2 (`run_id`, `base_digest`; both None in a format-1 blob). Format 2
-added only those two fields (docs/sync_format.md). `parse_spec`, `stream_sizes` and
+The header is UTF-8 JSON (formats 1 and 2) or one zstd frame of it (format 3). `read_header`
+checks the prefix, bounds `header_len` (and a format-3 frame's stated size) by a configured
+maximum before reading or inflating it, checks the checksum and the fields every format version
+shares, and returns the header with the identity fields of format 2 (`run_id`, `base_digest`;
+both None in a format-1 blob). Format 2 added only those two fields; format 3 compresses the
+header, names tensors only in anchors (a patch carries the `manifest_digest` of the receiver's
+tensor list instead), drops the derivable stream offsets, adds the sign stream `s` and each
+sparse entry's exponent `context` cuts (docs/sync_format.md). `parse_spec`, `stream_sizes` and
 `bucket_table` validate the manifest and derive from its shapes the exact raw size of every
 stream, so no size a blob claims is trusted before `codec.decode` reads or inflates anything.
 """
@@ -20,6 +24,7 @@ import re
 import secrets
 import struct
 
+from sparserl_jax.sync.context import MAX_CUTS, max_exponent
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
 
 __all__ = [
@@ -35,20 +40,26 @@ __all__ = [
     "check_run_id",
     "corrupt_unless",
     "is_uint",
+    "manifest_digest",
     "new_run_id",
     "pack_header",
     "parse_spec",
     "read_header",
     "stream_sizes",
+    "streams_of",
 ]
 
 MAGIC = b"PSYN"
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
+WRITABLE_FORMATS = (2, 3)
 PREFIX_BYTES = 4 + 4 + 16
 # A header is ~250 bytes per tensor; 64 MiB holds a manifest of ~250k tensors.
 MAX_HEADER_BYTES = 64 << 20
-STREAMS = ("g0", "g1", "g2", "g3", "v0", "v1", "v2", "v3", "d")
+STREAMS = ("g0", "g1", "g2", "g3", "v0", "v1", "v2", "v3", "d")  # formats 1 and 2
+STREAMS_V3 = ("g0", "g1", "g2", "g3", "v0", "v1", "v2", "v3", "s", "d")
+VALUE_MODES = {1: ("new", "xor"), 2: ("new", "xor"), 3: ("new", "xor", "step")}
+_ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 GAP_WIDTHS = (1, 2, 4)
 MAX_NUMEL = 2**32  # per leaf: the digest's flat index is a uint32
 ITEMSIZES = {"bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
@@ -104,13 +115,28 @@ def parse_spec(entry: dict, i: int) -> TensorSpec:
     return TensorSpec(name, tuple(shape), dtype)
 
 
-def stream_sizes(tensors: list, specs: list[TensorSpec], kind: str, n_buckets: int) -> list:
+def streams_of(fmt: int) -> tuple[str, ...]:
+    """The stream names of a bucket in format `fmt`, in their stored order."""
+    return STREAMS_V3 if fmt >= 3 else STREAMS
+
+
+def manifest_digest(specs) -> str:
+    """blake2b-128 over every tensor's name, dtype and shape, in order (format-3 patches)."""
+    h = hashlib.blake2b(digest_size=16)
+    for s in specs:
+        h.update(f"{s.name}|{s.dtype}|{','.join(map(str, s.shape))}|".encode())
+    return h.hexdigest()
+
+
+def stream_sizes(
+    tensors: list, specs: list[TensorSpec], kind: str, n_buckets: int, fmt: int = 2
+) -> list:
     """Validate every entry's encoding fields; the raw bytes each bucket's streams must hold.
 
     These follow from the manifest alone (shapes, `nnz`, widths), so a stream table claiming more
     is refused before anything is read or inflated.
     """
-    need = [dict.fromkeys(STREAMS, 0) for _ in range(n_buckets)]
+    need = [dict.fromkeys(streams_of(fmt), 0) for _ in range(n_buckets)]
     for entry, s in zip(tensors, specs, strict=True):
         enc, b = entry.get("encoding"), entry.get("bucket")
         corrupt_unless(
@@ -122,7 +148,9 @@ def stream_sizes(tensors: list, specs: list[TensorSpec], kind: str, n_buckets: i
         if enc == "unchanged":
             continue
         corrupt_unless(is_uint(b) and b < n_buckets, f"tensor {s.name}: bad bucket {b!r}")
-        corrupt_unless(isinstance(entry.get("offsets"), dict), f"tensor {s.name}: offsets missing")
+        corrupt_unless(
+            fmt >= 3 or isinstance(entry.get("offsets"), dict), f"tensor {s.name}: offsets missing"
+        )
         if enc == "dense":
             need[b]["d"] += s.numel * s.itemsize
             continue
@@ -131,22 +159,33 @@ def stream_sizes(tensors: list, specs: list[TensorSpec], kind: str, n_buckets: i
         corrupt_unless(
             type(width) is int and width in GAP_WIDTHS, f"tensor {s.name}: bad gap_width {width!r}"
         )
-        corrupt_unless(mode in ("new", "xor"), f"tensor {s.name}: bad values mode {mode!r}")
+        corrupt_unless(mode in VALUE_MODES[fmt], f"tensor {s.name}: bad values mode {mode!r}")
         for p in range(width):
             need[b][f"g{p}"] += nnz
         for p in range(s.itemsize):
             need[b][f"v{p}"] += nnz
+        if mode == "step":
+            need[b]["s"] += (nnz + 7) // 8
+        if fmt >= 3:
+            cuts, top = entry.get("context"), max_exponent(s.dtype)
+            corrupt_unless(
+                isinstance(cuts, list)
+                and len(cuts) <= (MAX_CUTS if top else 0)
+                and all(is_uint(t, 1) and t <= top for t in cuts)
+                and cuts == sorted(set(cuts)),  # strictly increasing
+                f"tensor {s.name}: bad context cuts {cuts!r}",
+            )
     return need
 
 
-def bucket_table(meta, b: int) -> tuple[int, list]:
+def bucket_table(meta, b: int, fmt: int = 2) -> tuple[int, list]:
     """Bucket `b`'s stored size and `[stored, raw]` stream table, checked for type and sum."""
     corrupt_unless(isinstance(meta, dict), f"bucket {b} is not an object")
     size, streams = meta.get("size"), meta.get("streams")
     corrupt_unless(is_uint(size), f"bucket {b}: bad size {size!r}")
     corrupt_unless(
         isinstance(streams, list)
-        and len(streams) == len(STREAMS)
+        and len(streams) == len(streams_of(fmt))
         and all(isinstance(x, list) and len(x) == 2 and all(map(is_uint, x)) for x in streams),
         f"bucket {b}: bad stream table",
     )
@@ -169,8 +208,12 @@ def check_run_id(run_id) -> str:
 
 
 def pack_header(header: dict) -> bytes:
-    """The prefix and JSON header of a blob (its buckets follow)."""
+    """The prefix and header of a blob (its buckets follow); zstd-compressed in format 3."""
     hbytes = json.dumps(header, separators=(",", ":")).encode()
+    if isinstance(header, dict) and header.get("format") == 3:
+        import zstandard
+
+        hbytes = zstandard.ZstdCompressor(level=9).compress(hbytes)
     hsum = hashlib.blake2b(hbytes, digest_size=16).digest()
     return b"".join([MAGIC, struct.pack("<I", len(hbytes)), hsum, hbytes])
 
@@ -196,6 +239,9 @@ def read_header(blob: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dic
     corrupt_unless(
         hashlib.blake2b(hbytes, digest_size=16).digest() == blob[8:24], "header checksum mismatch"
     )
+    compressed = hbytes[:4] == _ZSTD_MAGIC
+    if compressed:
+        hbytes = _inflate_header(hbytes, max_header_bytes)
     try:
         header = json.loads(hbytes)
     except (ValueError, RecursionError) as e:
@@ -207,6 +253,10 @@ def read_header(blob: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dic
     corrupt_unless(
         type(fmt) is int and fmt in READABLE_FORMATS,
         f"format version {fmt!r}; this reader knows {list(READABLE_FORMATS)}",
+    )
+    corrupt_unless(
+        compressed == (fmt >= 3),
+        f"format {fmt} header {'is' if compressed else 'is not'} zstd-compressed",
     )
     kind = header.get("kind")
     corrupt_unless(kind in ("patch", "anchor"), f"kind {kind!r}; expected patch or anchor")
@@ -223,4 +273,30 @@ def read_header(blob: bytes, *, max_header_bytes: int = MAX_HEADER_BYTES) -> dic
         base is None or (kind == "patch" and isinstance(base, str) and _DIGEST.fullmatch(base)),
         f"bad base_digest {base!r} for a {kind}",
     )
+    if fmt >= 3:
+        m = header.get("manifest")
+        corrupt_unless(
+            (m is None)
+            if kind == "anchor"
+            else (isinstance(m, str) and bool(_DIGEST.fullmatch(m))),
+            f"bad manifest digest {m!r} for a format-3 {kind}",
+        )
     return header
+
+
+def _inflate_header(frame: bytes, max_header_bytes: int) -> bytes:
+    """A format-3 header frame, inflated only after its stated size is checked."""
+    import zstandard
+
+    try:
+        claimed = zstandard.frame_content_size(frame)  # -1: not stated
+        corrupt_unless(
+            0 <= claimed <= max_header_bytes,
+            f"header frame claims {claimed} bytes (-1: not stated), the maximum is "
+            f"{max_header_bytes}",
+        )
+        data = zstandard.ZstdDecompressor().decompress(frame, max_output_size=claimed)
+    except zstandard.ZstdError as e:
+        raise CorruptPatchError(f"header zstd frame invalid: {e}") from e
+    corrupt_unless(len(data) == claimed, f"header frame gave {len(data)} bytes, not {claimed}")
+    return data

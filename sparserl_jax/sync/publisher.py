@@ -221,6 +221,7 @@ class Publisher:
             if ch.count:
                 digests[n] = digest_update(digests[n], ch.index, ch.old, ch.new)
         dense_of = dict(zip(self.names, jax.tree.leaves(new_sent), strict=True))
+        old_of = dict(zip(self.names, jax.tree.leaves(self._sent), strict=True))
         patch = codec.encode(
             kind="patch",
             run_id=self.run_id,
@@ -230,6 +231,7 @@ class Publisher:
             specs=self.specs,
             changes=changes,
             dense_bits=lambda n: host_bits(dense_of[n]),
+            base_bits=lambda n: host_bits(old_of[n]),
             leaf_digests=digests,
             config=self.config.codec,
         )

@@ -268,6 +268,7 @@ class Receiver:
         patch = codec.decode(
             blob,
             expect=self.specs,
+            base=lambda name: np.asarray(self.arrays[name]),  # format 3 codes against these
             max_header_bytes=self.max_header_bytes,
             max_decoded_bytes=self.max_decoded_bytes,
         )

@@ -71,8 +71,10 @@ def masters(n: int, seed: int = 0):
     return out
 
 
-def publish(transport, trees, **kw):
-    pub = Publisher(transport, config=SyncConfig(anchor_every=kw.pop("anchor_every", 2)), **kw)
+def publish(transport, trees, *, fmt=2, **kw):
+    codec = CodecConfig(format=fmt)
+    config = SyncConfig(anchor_every=kw.pop("anchor_every", 2), codec=codec)
+    pub = Publisher(transport, config=config, **kw)
     for m in trees:
         pub.publish(m)
     return pub
@@ -96,23 +98,32 @@ def sent(pub: Publisher) -> dict[str, np.ndarray]:
 
 
 def split(blob: bytes) -> tuple[dict, bytes]:
-    """(header JSON, bucket bytes) of a blob."""
+    """(header JSON, bucket bytes) of a blob (format 3: the header is one zstd frame)."""
     hlen = int.from_bytes(blob[4:8], "little")
-    return json.loads(blob[PREFIX_BYTES : PREFIX_BYTES + hlen]), blob[PREFIX_BYTES + hlen :]
+    hbytes = blob[PREFIX_BYTES : PREFIX_BYTES + hlen]
+    if hbytes[:4] == b"\x28\xb5\x2f\xfd":
+        hbytes = zstandard.ZstdDecompressor().decompress(hbytes)
+    return json.loads(hbytes), blob[PREFIX_BYTES + hlen :]
+
+
+def rdecode(rc: Receiver, blob: bytes, **kw):
+    """`decode` as receiver `rc` does: against its manifest and its current bits."""
+    return decode(blob, expect=rc.specs, base=lambda n: np.asarray(rc.arrays[n]), **kw)
 
 
 # --- identity ---------------------------------------------------------------------------------
 
 
-def test_blobs_carry_run_id_and_base_digest():
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_blobs_carry_run_id_and_base_digest(fmt):
     tr = InProcessTransport()
-    pub = Publisher(tr, config=SyncConfig(anchor_every=2))
+    pub = Publisher(tr, config=SyncConfig(anchor_every=2, codec=CodecConfig(format=fmt)))
     digests = []
     for m in masters(3):
         pub.publish(m)
         digests.append(pub.state_digest)
     anchor = read_header(tr.get(0, "anchor"))
-    assert anchor["format"] == 2 and anchor["run_id"] == pub.run_id
+    assert anchor["format"] == fmt and anchor["run_id"] == pub.run_id
     assert anchor["base_digest"] is None and anchor["state_digest"] == digests[0]
     for v in (1, 2):
         h = read_header(tr.get(v, "patch"))
@@ -345,7 +356,7 @@ def _dense_patch():
     trees = masters(2)
     trees[1] = {"w": trees[0]["w"], "b": trees[0]["b"] + 1.0}
     tr = InProcessTransport()
-    pub = publish(tr, trees)
+    pub = publish(tr, trees, fmt=3)  # the format with the most length fields
     rc = Receiver(sharding)
     rc.apply(tr.get(0, "anchor"))
     blob = tr.get(1, "patch")
@@ -357,7 +368,7 @@ def _dense_patch():
 def _with_stream(header: dict, frame: bytes, raw: int) -> bytes:
     header = json.loads(json.dumps(header))
     (bucket,) = header["buckets"]
-    bucket["streams"][8] = [len(frame), raw]
+    bucket["streams"][-1] = [len(frame), raw]  # the dense stream "d"
     bucket["size"] = len(frame)
     bucket["checksum"] = hashlib.blake2b(frame, digest_size=16).hexdigest()
     return repack(header, frame)
@@ -376,8 +387,8 @@ def _peak_mib(fn, error, match: str) -> float:
 
 def test_a_zstd_frame_must_state_its_size():
     rc, blob, header, _ = _dense_patch()
-    raw = header["buckets"][0]["streams"][8][1]
-    data = decode(blob).tensors["['b']"].bits.tobytes()
+    raw = header["buckets"][0]["streams"][-1][1]
+    data = rdecode(rc, blob).tensors["['b']"].bits.tobytes()
     frame = zstandard.ZstdCompressor(write_content_size=False).compress(data)
     with pytest.raises(
         CorruptPatchError, match=f"zstd frame states no size, the manifest allows {raw}"
@@ -394,11 +405,11 @@ def test_a_34kb_patch_claiming_1gib_is_refused_before_inflating(bomb, claim):
     frame's claimed size whatever `max_output_size` says)."""
     rc, _, header, _ = _dense_patch()
     before = bits(rc)
-    allowed = header["buckets"][0]["streams"][8][1]
+    allowed = header["buckets"][0]["streams"][-1][1]
     blob = _with_stream(header, bomb, 1 << 30 if claim == "stream" else allowed)
     assert len(blob) < 36_000
     want = "header says 1073741824 raw bytes" if claim == "stream" else "frame claims 1073741824"
-    for fn in (lambda: decode(blob), lambda: rc.apply(blob)):
+    for fn in (lambda: rdecode(rc, blob), lambda: rc.apply(blob)):
         peak = _peak_mib(fn, CorruptPatchError, want)
         assert peak < 8, f"{peak:.1f} MiB allocated while refusing"
     assert rc.version == 0
@@ -406,13 +417,13 @@ def test_a_34kb_patch_claiming_1gib_is_refused_before_inflating(bomb, claim):
 
 
 def test_every_length_field_is_bounded_before_use():
-    rc, blob, header, _ = _dense_patch()
+    rc, blob, header, pub = _dense_patch()
     before = bits(rc)
     _, payload = split(blob)
 
     def refused(bad: bytes, match: str, error=CorruptPatchError):
         with pytest.raises(error, match=match):
-            decode(bad)
+            rdecode(rc, bad)
         with pytest.raises(error, match=match):
             rc.apply(bad)
 
@@ -420,30 +431,32 @@ def test_every_length_field_is_bounded_before_use():
     huge = blob[:4] + struct.pack("<I", 2**32 - 1) + blob[8:]
     refused(huge, "header_len 4294967295 exceeds the maximum")
     with pytest.raises(CorruptPatchError, match="exceeds the maximum of 100 bytes"):
-        decode(blob, max_header_bytes=100)
+        rdecode(rc, blob, max_header_bytes=100)
     # A bucket size beyond the blob: truncated, nothing sliced.
     h = json.loads(json.dumps(header))
     h["buckets"][0]["size"] = 2**40
-    h["buckets"][0]["streams"][8][0] = 2**40
+    h["buckets"][0]["streams"][-1][0] = 2**40
     refused(repack(h, payload), "patch has .* bytes, its header describes", TruncatedPatchError)
     # Counts: nnz beyond the element count; a shape of 2**32 elements or more.
     h = json.loads(json.dumps(header))
     h["tensors"][1].update(encoding="sparse", nnz=2**40, gap_width=1, values="new", bucket=0)
-    h["tensors"][1]["offsets"] = {"g0": 0, "v0": 0, "v1": 0}
     refused(repack(h, payload), r"bad nnz 1099511627776")
-    h = json.loads(json.dumps(header))
+    # Shapes travel in anchors (a format-3 patch names the receiver's manifest by digest).
+    h, anchor_payload = split(pub.transport.get(0, "anchor"))
     h["tensors"][0]["shape"] = [2**16, 2**16]
     with pytest.raises(CorruptPatchError, match="2\\*\\*32 or more elements"):
-        decode(repack(h, payload))
+        decode(repack(h, anchor_payload))
     # Sizes of the wrong JSON type (a float) or negative are refused as such.
-    for field, value in (("size", 24.0), ("size", -1), ("streams", [[0, 0]] * 8 + [[24.0, 24]])):
+    n_streams = len(header["buckets"][0]["streams"])
+    bad_table = [[0, 0]] * (n_streams - 1) + [[24.0, 24]]
+    for field, value in (("size", 24.0), ("size", -1), ("streams", bad_table)):
         h = json.loads(json.dumps(header))
         h["buckets"][0][field] = value
         refused(repack(h, payload), "bucket 0: bad (size|stream table)")
     # The total decoded size against a configured cap (a fresh receiver's only bound).
-    n = header["buckets"][0]["streams"][8][1]
+    n = header["buckets"][0]["streams"][-1][1]
     with pytest.raises(CorruptPatchError, match=f"decodes to {n} bytes, more than the maximum"):
-        decode(blob, max_decoded_bytes=n - 1)
+        rdecode(rc, blob, max_decoded_bytes=n - 1)
     assert rc.version == 0
     assert_bits(rc, before)
     rc.apply(blob)  # the untouched patch still applies
@@ -496,10 +509,11 @@ def test_socket_lengths_are_bounded_before_allocation():
 # --- damaged blobs: only the codec's errors, weights untouched --------------------------------
 
 
-@pytest.fixture(scope="module")
-def chain():
+@pytest.fixture(scope="module", params=[2, 3], ids=["format2", "format3"])
+def chain(request):
     tr = InProcessTransport()
-    pub = Publisher(tr, config=SyncConfig(anchor_every=10, codec=CodecConfig(bucket_bytes=256)))
+    codec = CodecConfig(bucket_bytes=256, format=request.param)
+    pub = Publisher(tr, config=SyncConfig(anchor_every=10, codec=codec))
     trees = masters(2)
     pub.publish(trees[0])
     v0 = sent(pub)
@@ -576,7 +590,7 @@ def test_damaged_patches_raise_only_sync_errors_and_never_change_weights(chain, 
     rc.apply(anchor)
     bad = data.draw(damage(patch))
     with contextlib.suppress(SyncError):
-        decode(bad)
+        rdecode(rc, bad)
     try:
         rc.apply(bad)
     except SyncError:

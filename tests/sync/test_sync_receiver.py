@@ -230,6 +230,7 @@ def test_wrong_values_with_valid_checksums_are_refused_by_digest():
         specs=rc.specs,
         changes=changes,
         dense_bits=lambda n: host_bits(good.arrays[n]),
+        base_bits=before.__getitem__,
         leaf_digests=digests,
         config=CodecConfig(),
     )

@@ -1,0 +1,244 @@
+"""DGG's sample-efficiency claim on this stack (used by `tools/repro_dgg.py`; issue 18 item 4).
+
+Paper: "When to Stop Reusing: Dynamic Gradient Gating for Sample-Efficient RLVR" (arXiv
+2605.19425): reusing each rollout batch for up to K = 4 passes with the gate reaches the
+single-use GRPO run's final score with 2.0-2.9x fewer rollout batches, never ending below it.
+
+Every arm is one `sparserl train` run (a subprocess, one CPU device) of the same config, seed,
+prompts and hyperparameters, started from one shared SFT checkpoint (`async_runs.warm_start`,
+its step-0 checkpoint copied byte for byte into each run directory). The arms differ only in
+`learner.gating`:
+
+- `single`: K = 1 (one update per rollout batch, the baseline);
+- `fixed4`, `fixed8`: K passes on every batch, gate off (it still logs g and z);
+- `dgg4`, `dgg8`: K passes at most, the gate on (tau 0.3), increments counted across batches
+  (`reset_each_batch=false`, the default);
+- `dgg4_batch`, `dgg8_batch`: the same with increments only between passes of one batch.
+
+A regime is a set of overrides for every arm (e.g. a higher learning rate, where fixed reuse
+hurts). Figures, per arm (`summarise_arm`): the rollout batches needed to reach the single-use
+run's final reward, on the training reward (the batch's sampled reward, a trailing mean over
+`smooth` steps) and on the held-out reward (`val/reward_mean`, sampled at T = 1 on held-out
+prompts, every `train.eval_every` steps); the final rewards; gate fires and passes applied per
+batch; and from the per-pass `dgg/z_pass{k}`, what the gate saw (`gate_diagnostics`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.async_runs import ROOT, _env
+from sparserl_jax.metrics import read_metrics
+
+ARMS: dict[str, list[str]] = {
+    "single": ["learner.gating.max_passes=1", "learner.gating.enabled=false"],
+    "fixed4": ["learner.gating.max_passes=4", "learner.gating.enabled=false"],
+    "fixed8": ["learner.gating.max_passes=8", "learner.gating.enabled=false"],
+    "dgg4": ["learner.gating.max_passes=4", "learner.gating.enabled=true"],
+    "dgg8": ["learner.gating.max_passes=8", "learner.gating.enabled=true"],
+    "dgg4_batch": [
+        "learner.gating.max_passes=4",
+        "learner.gating.enabled=true",
+        "learner.gating.reset_each_batch=true",
+    ],
+    "dgg8_batch": [
+        "learner.gating.max_passes=8",
+        "learner.gating.enabled=true",
+        "learner.gating.reset_each_batch=true",
+    ],
+}
+
+
+def run_arm(
+    config: str, overrides: list[str], run_dir: Path, checkpoints: Path, *, rerun: bool = True
+) -> dict:
+    """One `sparserl train` run in `run_dir`, started from a copy of `checkpoints` (the shared
+    SFT step 0). Returns its metrics rows and wall time. `rerun=False` reads the rows a
+    finished run left in `run_dir` instead (to re-analyse, e.g. with another smoothing)."""
+    if not rerun:
+        return {"rows": read_metrics(run_dir / "metrics.jsonl"), "wall_s": 0.0}
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    shutil.copytree(checkpoints, run_dir / "checkpoints")
+    cmd = [sys.executable, "-m", "sparserl_jax", "train", config, f"run_dir={run_dir}", *overrides]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    (run_dir / "stderr.log").write_text(proc.stderr)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    if "resumed from" not in proc.stderr:
+        raise RuntimeError(f"{run_dir} did not start from the shared checkpoint:\n{proc.stderr}")
+    return {"rows": read_metrics(run_dir / "metrics.jsonl"), "wall_s": wall}
+
+
+def curves(rows: list[dict]) -> dict[str, np.ndarray]:
+    """Per-step training reward (steps 1..N) and the held-out evaluations (step, reward)."""
+    train = sorted((r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r)
+    val = sorted((r["step"], r["val/reward_mean"]) for r in rows if "val/reward_mean" in r)
+    return {
+        "train_step": np.array([s for s, _ in train], np.int64),
+        "train_reward": np.array([v for _, v in train], np.float64),
+        "val_step": np.array([s for s, _ in val], np.int64),
+        "val_reward": np.array([v for _, v in val], np.float64),
+    }
+
+
+def trailing_mean(x: np.ndarray, window: int) -> np.ndarray:
+    """`out[i] = mean(x[max(0, i - window + 1) : i + 1])`."""
+    c = np.concatenate([[0.0], np.cumsum(x, dtype=np.float64)])
+    i = np.arange(1, len(x) + 1)
+    lo = np.maximum(0, i - window)
+    return (c[i] - c[lo]) / (i - lo)
+
+
+def batches_to_reach(steps: np.ndarray, values: np.ndarray, target: float, *, first: int = 0):
+    """The first step (rollout batches used) whose value is >= target, among steps >= `first`;
+    None if never."""
+    hit = np.nonzero((values >= target - 1e-12) & (steps >= first))[0]
+    return int(steps[hit[0]]) if hit.size else None
+
+
+def gate_diagnostics(rows: list[dict], tau: float) -> dict:
+    """What the gate saw on the per-pass logs: z on pass 1 (never armed), z on later passes,
+    how often a later pass had z > tau (the gate fires there once its window is full; for a
+    gate that is off, where it would have fired), and the mean increment per pass."""
+    steps = [r for r in rows if "dgg/z_pass1" in r]
+    if not steps:
+        return {}
+    z1 = np.array([r["dgg/z_pass1"] for r in steps])
+    later = [(k, r[f"dgg/z_pass{k}"]) for r in steps for k in range(2, 9) if f"dgg/z_pass{k}" in r]
+    z_later = np.array([z for _, z in later]) if later else np.zeros(0)
+    dg = {}
+    for k in range(1, 9):
+        vals = [r[f"dgg/dg_pass{k}"] for r in steps if f"dgg/dg_pass{k}" in r]
+        if vals:
+            dg[f"pass{k}"] = float(np.mean(vals))
+    return {
+        "z_pass1_mean": float(z1.mean()),
+        "z_pass1_above_tau": float(np.mean(z1 > tau)),
+        "z_later_mean": float(z_later.mean()) if z_later.size else None,
+        "z_later_max": float(z_later.max()) if z_later.size else None,
+        "z_later_above_tau": float(np.mean(z_later > tau)) if z_later.size else None,
+        "armed_passes_per_batch": float(np.mean([r["dgg/armed_passes"] for r in steps])),
+        "dg_mean_by_pass": dg,
+    }
+
+
+def summarise_arm(
+    arm_rows: list[list[dict]], base_rows: list[list[dict]], *, smooth: int, tau: float
+) -> dict:
+    """Figures of one arm over its seeds (`arm_rows[i]` and `base_rows[i]`, the single-use run,
+    share seed i): batches to reach the single-use final reward (training reward as a trailing
+    mean over `smooth` steps, counted from step `smooth` on; held-out at its evaluation steps),
+    final rewards, gate fires and passes applied per batch, and the gate diagnostics."""
+    per_seed = []
+    for rows, base in zip(arm_rows, base_rows, strict=True):
+        c, b = curves(rows), curves(base)
+        tr, btr = trailing_mean(c["train_reward"], smooth), trailing_mean(b["train_reward"], smooth)
+        target_train = float(btr[-1])
+        target_val = float(b["val_reward"][-1]) if b["val_reward"].size else None
+        n_train = batches_to_reach(c["train_step"], tr, target_train, first=smooth)
+        n_val = (
+            batches_to_reach(c["val_step"], c["val_reward"], target_val, first=1)
+            if target_val is not None
+            else None
+        )
+        base_train = batches_to_reach(b["train_step"], btr, target_train, first=smooth)
+        base_val = (
+            batches_to_reach(b["val_step"], b["val_reward"], target_val, first=1)
+            if target_val is not None
+            else None
+        )
+        learn = [r for r in rows if "dgg/fires" in r]
+        final_val = float(c["val_reward"][-1]) if c["val_reward"].size else None
+        per_seed.append(
+            {
+                "target_train": target_train,
+                "target_val": target_val,
+                "batches_to_target_train": n_train,
+                "batches_to_target_val": n_val,
+                "single_batches_to_target_train": base_train,
+                "single_batches_to_target_val": base_val,
+                "final_train_smoothed": float(tr[-1]),
+                "final_val": final_val,
+                # The paper's second half: never ending below the single-use run.
+                "ends_below_single_train": bool(tr[-1] < target_train - 1e-12),
+                "ends_below_single_val": (
+                    bool(final_val < target_val - 1e-12) if target_val is not None else None
+                ),
+                "start_val": float(c["val_reward"][0]) if c["val_reward"].size else None,
+                "fires_per_batch": float(np.mean([r["dgg/fires"] for r in learn])),
+                "passes_applied_per_batch": float(
+                    np.mean([r["dgg/passes_applied"] for r in learn])
+                ),
+                "learner_passes": int(sum(r["dgg/passes_run"] for r in learn)),
+            }
+        )
+
+    def mean(key):
+        vals = [s[key] for s in per_seed]
+        if any(v is None for v in vals):
+            return None
+        return float(np.mean(vals))
+
+    def speedup(base_key, key):
+        ratios = [s[base_key] / s[key] for s in per_seed if s[key] is not None and s[base_key]]
+        return float(np.mean(ratios)) if len(ratios) == len(per_seed) else None
+
+    out = {k: mean(k) for k in per_seed[0] if not k.startswith("ends_below")}
+    for key in ("ends_below_single_train", "ends_below_single_val"):
+        out[key] = sum(bool(s[key]) for s in per_seed)  # how many seeds
+    out["reached_train"] = sum(s["batches_to_target_train"] is not None for s in per_seed)
+    out["reached_val"] = sum(s["batches_to_target_val"] is not None for s in per_seed)
+    out["speedup_train"] = speedup("single_batches_to_target_train", "batches_to_target_train")
+    out["speedup_val"] = speedup("single_batches_to_target_val", "batches_to_target_val")
+    out["seeds"] = per_seed
+    out["gate"] = gate_diagnostics([r for rows in arm_rows for r in rows], tau)
+    return out
+
+
+def plot_arms(results: dict, out: Path, *, smooth: int) -> Path:
+    """One column per regime: the smoothed training reward (top) and the held-out reward
+    (bottom) against rollout batches, mean over seeds with a min-max band when seeds > 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    regimes = list(results)
+    fig, axes = plt.subplots(2, len(regimes), figsize=(6 * len(regimes), 8), squeeze=False)
+    for j, regime in enumerate(regimes):
+        for arm, seeds in results[regime].items():
+            cs = [curves(rows) for rows in seeds]
+            for i, (xk, yk, f) in enumerate(
+                [
+                    ("train_step", "train_reward", lambda y: trailing_mean(y, smooth)),
+                    ("val_step", "val_reward", lambda y: y),
+                ]
+            ):
+                n = min(len(c[yk]) for c in cs)
+                if n == 0:
+                    continue
+                ys = np.stack([f(c[yk])[:n] for c in cs])
+                x = cs[0][xk][:n]
+                ax = axes[i, j]
+                (line,) = ax.plot(x, ys.mean(0), label=arm, lw=1.5)
+                if len(cs) > 1:
+                    ax.fill_between(x, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
+        axes[0, j].set_title(f"{regime}: training reward (trailing mean of {smooth})")
+        axes[1, j].set_title(f"{regime}: held-out reward (sampled, T=1)")
+        for ax in axes[:, j]:
+            ax.set_xlabel("rollout batches")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out

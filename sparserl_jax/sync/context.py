@@ -1,0 +1,265 @@
+"""The receiver's context for format-3 patches: exponent classes, context order, ordered line.
+
+A receiver holds the old bits of every leaf exactly, so a patch may code what it sends relative
+to them. Whether a published element changes depends mostly on the size of its last bit, i.e. on
+the old value's exponent (an Adam step of size ~lr flips the bf16 rounding with probability
+~lr / ulp). Format 3 therefore:
+
+- splits each leaf's elements into at most `MAX_CUTS + 1` classes of consecutive old exponents
+  (`cuts`: the exponents where a class starts, chosen per leaf by the encoder from the changes'
+  exponents, `choose_cuts`) and codes changed positions as their ranks in the *context order*:
+  class 0 in flat order, then class 1, ... Within a class the gaps follow that class's own change
+  rate, and the classes of high and low change rates no longer mix (`context_rank` /
+  `context_select`). Five classes keep all but ~0.02 B per change of what all 256 exponents give
+  on the bench's updates, at a quarter of the passes over the leaf;
+- can send values as signed steps on the *ordered integer line* of the bit patterns
+  (`to_line` / `from_line`): most changes are one ulp up or down.
+
+`entropy_bound` is the empirical cost of a patch given the full (leaf, exponent) context, the
+yardstick of the codec.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = [
+    "MAX_CUTS",
+    "choose_cuts",
+    "context_rank",
+    "context_select",
+    "entropy_bound",
+    "exponent_key",
+    "from_line",
+    "max_exponent",
+    "to_line",
+]
+
+MAX_CUTS = 4
+# (shift, mask) of the exponent field in each floating dtype's bit pattern.
+_EXPONENT = {
+    "bfloat16": (7, 0xFF),
+    "float16": (10, 0x1F),
+    "float32": (23, 0xFF),
+    "float8_e4m3fn": (3, 0xF),
+    "float8_e5m2": (2, 0x1F),
+}
+
+
+def exponent_key(bits: np.ndarray, dtype: str) -> np.ndarray | None:
+    """The exponent field of each element's bits as uint8 (flat); None for non-float dtypes."""
+    if dtype not in _EXPONENT:
+        return None
+    shift, mask = _EXPONENT[dtype]
+    return ((bits.reshape(-1) >> shift) & mask).astype(np.uint8)
+
+
+def max_exponent(dtype: str) -> int:
+    """The largest exponent field value of `dtype`; 0 for dtypes without one (no cuts)."""
+    return _EXPONENT[dtype][1] if dtype in _EXPONENT else 0
+
+
+def _binary_entropy_bits(n: np.ndarray, k: np.ndarray) -> np.ndarray:
+    """`n * H2(k / n)` elementwise (0 where n == 0 or k in {0, n})."""
+    n, k = np.asarray(n, np.float64), np.asarray(k, np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        p = np.clip(k / n, 0.0, 1.0)
+        h = -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
+    return np.where((n > 0) & (k > 0) & (k < n), n * h, 0.0)
+
+
+def choose_cuts(
+    old_bits: np.ndarray, changed_old: np.ndarray, dtype: str, *, sample: int = 1 << 16
+) -> list[int]:
+    """At most `MAX_CUTS` exponents where context classes start, minimising the mask entropy.
+
+    `changed_old`: the old bits of the changed elements (their exponents are counted exactly);
+    the leaf's exponent histogram is estimated from an evenly strided sample of `old_bits`. A
+    dynamic program over the exponents present picks the split into consecutive ranges with the
+    least `sum n * H2(k / n)`; [] (flat order) for non-float dtypes or when nothing is gained.
+    """
+    if dtype not in _EXPONENT or changed_old.size == 0:
+        return []
+    old = old_bits.reshape(-1)
+    stride = max(1, old.size // sample)
+    n_c = np.bincount(exponent_key(old[::stride], dtype), minlength=256) * (
+        old.size / -(-old.size // stride)
+    )
+    k_c = np.bincount(exponent_key(changed_old, dtype), minlength=256).astype(np.float64)
+    n_c = np.maximum(n_c, k_c)  # the sample may miss a class the changes show
+    present = np.flatnonzero(n_c > 0)
+    n_cum = np.concatenate([[0.0], np.cumsum(n_c[present])])
+    k_cum = np.concatenate([[0.0], np.cumsum(k_c[present])])
+    a, b = np.arange(present.size + 1)[:, None], np.arange(present.size + 1)[None, :]
+    seg = np.where(b > a, _binary_entropy_bits(n_cum[b] - n_cum[a], k_cum[b] - k_cum[a]), np.inf)
+    best, back = [seg[0]], []  # best[s][b]: classes 0..b-1 in s + 1 ranges
+    for _ in range(MAX_CUTS):
+        total = best[-1][:, None] + seg
+        back.append(total.argmin(axis=0))
+        best.append(total.min(axis=0))
+    end = present.size
+    # Fewer ranges unless more save at least a byte (each cut costs header bytes).
+    costs = [float(x[end]) for x in best]
+    s = min(range(len(costs)), key=lambda j: (costs[j] + 8 * j, j))
+    cuts = []
+    for j in range(s, 0, -1):
+        end = int(back[j - 1][end])
+        cuts.append(int(present[end]))
+    return sorted(cuts)
+
+
+class _Ranges:
+    """Rank/select over the classes `[cuts[j-1], cuts[j])` of a leaf's old exponents.
+
+    For each cut t, one pass packs `exponent(old) < t` into uint64 words (bit j of word w:
+    element 64w + j; on the raw bits: the magnitude bits compare as the exponent does) with the
+    number of set bits before each word. A class's bitmap is the difference of two of them.
+    """
+
+    def __init__(self, old_bits: np.ndarray, dtype: str, cuts: list[int]):
+        shift, _ = _EXPONENT[dtype]
+        old = old_bits.reshape(-1)
+        self.numel = old.size
+        width = 8 * old.dtype.itemsize
+        magnitude = old & np.array((1 << (width - 1)) - 1, old.dtype)
+        self.below = []  # per cut: (words, set bits before each word)
+        buf = np.zeros(-(-old.size // 64) * 8, np.uint8)
+        hit = np.empty(old.size, bool)
+        for t in cuts:
+            np.less(magnitude, np.array(t << shift, old.dtype), out=hit)
+            packed = np.packbits(hit, bitorder="little")
+            buf[: packed.size] = packed
+            words = buf.view("<u8").copy()
+            before = np.zeros(words.size + 1, np.int64)
+            np.cumsum(np.bitwise_count(words), out=before[1:])
+            self.below.append((words, before))
+        self.starts = np.array([0] + [int(b[-1]) for _, b in self.below] + [old.size], np.int64)
+
+    def count_below(self, j: int, index: np.ndarray) -> np.ndarray:
+        """Elements before each flat `index` whose class is < j."""
+        if j == 0:
+            return np.zeros(index.size, np.int64)
+        if j == len(self.below) + 1:
+            return index
+        words, before = self.below[j - 1]
+        w = index >> 6
+        return before[w] + np.bitwise_count(words[w] & _low_mask(index & 63)).astype(np.int64)
+
+    def class_words(self, j: int) -> np.ndarray:
+        """The bitmap of class j (padding bits past the leaf may be set; never selected)."""
+        hi = self.below[j][0] if j < len(self.below) else None
+        lo = self.below[j - 1][0] if j > 0 else None
+        if hi is None:
+            return ~lo
+        return hi if lo is None else hi & ~lo
+
+
+def _low_mask(n: np.ndarray) -> np.ndarray:
+    """`2**n - 1` as uint64 for `0 <= n <= 63`."""
+    return (np.uint64(1) << n.astype(np.uint64)) - np.uint64(1)
+
+
+def context_rank(
+    old_bits: np.ndarray, dtype: str, cuts: list[int], index: np.ndarray
+) -> np.ndarray:
+    """Positions in context order of the elements at flat `index` (unique).
+
+    The context order lists the elements of class 0 (old exponent below `cuts[0]`) in flat
+    order, then those of class 1, and so on: position = (number of elements in lower classes) +
+    (number in the same class before it). With no cuts the order is the flat order.
+    """
+    index = np.asarray(index, np.int64)
+    if not cuts or index.size == 0:
+        return index.copy()
+    ranges = _Ranges(old_bits, dtype, cuts)
+    cls = np.searchsorted(cuts, exponent_key(old_bits.reshape(-1)[index], dtype), side="right")
+    # below[j]: elements before each index in classes < j (j = 0 .. len(cuts) + 1).
+    below = np.stack([ranges.count_below(j, index) for j in range(len(cuts) + 2)])
+    at = np.arange(index.size)
+    return ranges.starts[cls] + below[cls + 1, at] - below[cls, at]
+
+
+def context_select(
+    old_bits: np.ndarray, dtype: str, cuts: list[int], pos: np.ndarray
+) -> np.ndarray:
+    """The inverse of `context_rank`: flat indices of the elements at context positions `pos`
+    (each in `[0, numel)`)."""
+    pos = np.asarray(pos, np.int64)
+    if not cuts or pos.size == 0:
+        return pos.copy()
+    ranges = _Ranges(old_bits, dtype, cuts)
+    if pos.size < 2 or not np.any(pos[1:] < pos[:-1]):  # sorted (as decoded): classes are runs
+        bounds = np.searchsorted(pos, ranges.starts).tolist()
+        groups = [(j, slice(bounds[j], bounds[j + 1])) for j in range(len(bounds) - 1)]
+        groups = [(j, sel) for j, sel in groups if sel.stop > sel.start]
+    else:
+        cls = np.searchsorted(ranges.starts, pos, side="right") - 1
+        groups = [(j, cls == j) for j in np.unique(cls).tolist()]
+    out = np.empty(pos.size, np.int64)
+    for j, sel in groups:
+        r = pos[sel] - ranges.starts[j]  # rank within class j
+        words = ranges.class_words(j)
+        before = np.zeros(words.size + 1, np.int64)
+        np.cumsum(np.bitwise_count(words), out=before[1:])
+        w = np.searchsorted(before, r, side="right") - 1  # the word holding the r-th member
+        word, k = words[w], (r - before[w]).astype(np.uint64)
+        # The k-th set bit of `word`: the largest b with popcount(word & (2**b - 1)) <= k.
+        b = np.zeros(w.size, np.int64)
+        for step in (32, 16, 8, 4, 2, 1):
+            take = np.bitwise_count(word & _low_mask(b + step)) <= k
+            b += take * step
+        out[sel] = w * 64 + b
+    return out
+
+
+def to_line(bits: np.ndarray, itemsize: int) -> np.ndarray:
+    """Bit patterns (sign-magnitude floats) as int64 on the ordered line; a bijection.
+
+    +0 -> 0, the smallest positive subnormal -> 1, ..., -0 -> -1, the largest negative
+    subnormal -> -2, ...: adjacent representable values are adjacent integers, so a one-ulp change
+    is a step of 1 (NaN and inf patterns sit beyond the finite values; ints map the same way).
+    """
+    top = 1 << (8 * itemsize - 1)
+    b = bits.astype(np.int32 if itemsize < 4 else np.int64)
+    return np.where(b >= top, top - 1 - b, b).astype(np.int64, copy=False)
+
+
+def from_line(line: np.ndarray, itemsize: int) -> np.ndarray:
+    """The inverse of `to_line`; `line` must lie in `[-2**(8w-1), 2**(8w-1))`."""
+    top = 1 << (8 * itemsize - 1)
+    out = np.where(line < 0, top - 1 - line, line)
+    return out.astype(np.dtype(f"<u{itemsize}"))
+
+
+def _entropy_bits(counts: np.ndarray) -> float:
+    counts = counts[counts > 0]
+    n = counts.sum()
+    return float(-(counts * np.log2(counts / n)).sum()) if n else 0.0
+
+
+def entropy_bound(old: np.ndarray, new: np.ndarray, dtype: str) -> tuple[float, float]:
+    """Empirical bytes to code `old -> new` given the receiver's context, as (mask, values).
+
+    mask: sum over exponent classes c of `n_c * H2(k_c / n_c)` bits (n_c elements, k_c changed);
+    values: `k * H(step | c)` bits, the conditional entropy of the changed elements' steps on the
+    ordered line. Both are zeroth-order within a class: what an ideal adaptive coder with the
+    (leaf, exponent) context reaches on these updates.
+    """
+    old, new = old.reshape(-1), new.reshape(-1)
+    itemsize = old.dtype.itemsize
+    key = exponent_key(old, dtype)
+    key = np.zeros(old.size, np.uint8) if key is None else key
+    changed = old != new
+    n_c = np.bincount(key, minlength=256)
+    k_c = np.bincount(key[changed], minlength=256)
+    mask_bits = 0.0
+    for n, k in zip(n_c[n_c > 0], k_c[n_c > 0], strict=True):
+        if 0 < k < n:
+            mask_bits += _entropy_bits(np.array([k, n - k]))
+    step = to_line(new[changed], itemsize) - to_line(old[changed], itemsize)
+    # (class, step) as one int64: steps lie in (-2**32, 2**32).
+    _, joint = np.unique(
+        (key[changed].astype(np.int64) << 34) + step + (1 << 33), return_counts=True
+    )
+    value_bits = _entropy_bits(joint) - _entropy_bits(k_c)
+    return mask_bits / 8, max(value_bits, 0.0) / 8

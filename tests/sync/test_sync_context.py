@@ -1,0 +1,115 @@
+"""Format 3's receiver context: context order against a sort, the ordered bit line, the bound."""
+
+import ml_dtypes
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparserl_jax.sync.context import (
+    MAX_CUTS,
+    choose_cuts,
+    context_rank,
+    context_select,
+    entropy_bound,
+    exponent_key,
+    from_line,
+    max_exponent,
+    to_line,
+)
+
+FLOATS = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def sorted_positions(key: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The reference: each element's place in a stable sort of the leaf by class."""
+    order = np.argsort(key, kind="stable")
+    inverse = np.empty(key.size, np.int64)
+    inverse[order] = np.arange(key.size)
+    return inverse[index]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(FLOATS)),
+    n=st.integers(1, 700),
+    density=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**31),
+    data=st.data(),
+)
+def test_context_rank_is_a_stable_sort_by_class_and_select_inverts_it(
+    dtype, n, density, seed, data
+):
+    rng = np.random.default_rng(seed)
+    size = FLOATS[dtype]
+    bits = rng.integers(0, 2 ** (8 * size), n, dtype=np.uint64).astype(f"<u{size}")
+    top = max_exponent(dtype)
+    cuts = sorted(data.draw(st.sets(st.integers(1, top), max_size=MAX_CUTS)))
+    index = np.flatnonzero(rng.random(n) < density)
+    cls = np.searchsorted(cuts, exponent_key(bits, dtype), side="right")
+    pos = context_rank(bits, dtype, cuts, index)
+    np.testing.assert_array_equal(pos, sorted_positions(cls, index))
+    np.testing.assert_array_equal(context_select(bits, dtype, cuts, pos), index)
+    ordered = np.sort(pos)  # as the decoder sees them: in context order
+    reference = np.argsort(cls, kind="stable")[ordered]
+    np.testing.assert_array_equal(context_select(bits, dtype, cuts, ordered), reference)
+    np.testing.assert_array_equal(context_rank(bits, dtype, [], index), index)  # flat order
+
+
+def test_cuts_split_classes_of_different_change_rates():
+    rng = np.random.default_rng(1)
+    # Exponents 120..123 (small values) change often, 124..127 rarely.
+    e = rng.integers(120, 128, 50_000)
+    bits = ((e << 7) | rng.integers(0, 128, e.size)).astype(np.uint16)
+    changed = rng.random(e.size) < np.where(e < 124, 0.3, 0.003)
+    cuts = choose_cuts(bits, bits[changed], "bfloat16")
+    assert 124 in cuts and len(cuts) <= MAX_CUTS
+    assert choose_cuts(bits, bits[changed], "int16") == []
+    assert choose_cuts(bits, bits[:0], "bfloat16") == []
+
+
+def test_exponent_keys_per_dtype():
+    x = np.array([1.0, -1.0, 2.0, 0.5, 0.0], np.float32)
+    np.testing.assert_array_equal(
+        exponent_key(x.view(np.uint32), "float32"), [127, 127, 128, 126, 0]
+    )
+    b = x.astype(ml_dtypes.bfloat16).view(np.uint16)
+    np.testing.assert_array_equal(exponent_key(b, "bfloat16"), [127, 127, 128, 126, 0])
+    h = x.astype(np.float16).view(np.uint16)
+    np.testing.assert_array_equal(exponent_key(h, "float16"), [15, 15, 16, 14, 0])
+    assert exponent_key(np.arange(4, dtype=np.int32), "int32") is None
+
+
+def _all_bf16() -> np.ndarray:
+    return np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+def test_ordered_line_is_a_bijection_monotone_in_value():
+    bits = _all_bf16()
+    line = to_line(bits, 2)
+    assert np.unique(line).size == bits.size and line.min() == -(1 << 15) and line.max() < 1 << 15
+    np.testing.assert_array_equal(from_line(line, 2), bits)
+    vals = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    finite = np.isfinite(vals)
+    order = np.argsort(line[finite], kind="stable")
+    assert np.all(np.diff(vals[finite][order]) >= 0)  # larger line -> never a smaller value
+    # One ulp up from +0 is the smallest subnormal; one down from +0 is -0.
+    assert from_line(np.array([1, -1]), 2).tolist() == [0x0001, 0x8000]
+    w = np.array([0, 1 << 31, (1 << 32) - 1, 0x3F800000], np.uint32)
+    np.testing.assert_array_equal(from_line(to_line(w, 4), 4), w)
+
+
+def test_entropy_bound_counts_mask_and_steps():
+    rng = np.random.default_rng(0)
+    old = rng.integers(0, 1 << 16, 4096).astype(np.uint16)
+    assert entropy_bound(old, old, "bfloat16") == (0.0, 0.0)
+    # One class (no exponent): the mask bound is N * H2(k/N); steps of +1 only: 0 value bits.
+    ints = np.arange(1, 4097, dtype=np.uint16)
+    new = ints.copy()
+    new[::4] += 1
+    mask, values = entropy_bound(ints, new, "uint16")
+    p = 0.25
+    assert np.isclose(mask * 8, 4096 * -(p * np.log2(p) + (1 - p) * np.log2(1 - p)))
+    assert values == 0.0
+    # Steps +1/-1 with equal counts: one bit per change.
+    new[::8] -= 2
+    assert np.isclose(entropy_bound(ints, new, "uint16")[1] * 8, 1024)

@@ -1,0 +1,80 @@
+"""The DGG reproduction harness: its figures on synthetic runs, and `--quick` end to end."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.repro_dgg import batches_to_reach, summarise_arm, trailing_mean
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_trailing_mean_and_first_hit():
+    x = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
+    np.testing.assert_allclose(trailing_mean(x, 2), [0.0, 0.5, 1.5, 2.5, 3.5])
+    steps = np.arange(1, 6)
+    assert batches_to_reach(steps, x, 2.0) == 3
+    assert batches_to_reach(steps, x, 0.0, first=2) == 2
+    assert batches_to_reach(steps, x, 9.0) is None
+
+
+def rows(train, val_every=2, z_later=0.0):
+    out = [{"step": 0, "val/reward_mean": 0.0}]
+    for s, r in enumerate(train, start=1):
+        row = {"step": s, "critic/score/mean": r, "dgg/fires": 0, "dgg/passes_run": 2}
+        row |= {"dgg/passes_applied": 2, "dgg/armed_passes": 1}
+        row |= {"dgg/z_pass1": 1.0, "dgg/z_pass2": z_later, "dgg/dg_pass1": 3.0}
+        row["dgg/dg_pass2"] = -1.0
+        out.append(row)
+        if s % val_every == 0:
+            out.append({"step": s, "val/reward_mean": r})
+    return out
+
+
+def test_summarise_arm_counts_batches_to_the_single_use_reward():
+    single = rows([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8])
+    fast = rows([0.4, 0.6, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8], z_later=0.5)
+    fig = summarise_arm([fast], [single], smooth=1, tau=0.3)
+    # Single use reaches its own final 0.8 at batch 8; the reusing arm at batch 4.
+    assert fig["target_train"] == pytest.approx(0.8)
+    assert fig["batches_to_target_train"] == 4 and fig["single_batches_to_target_train"] == 8
+    assert fig["speedup_train"] == pytest.approx(2.0)
+    assert fig["batches_to_target_val"] == 4 and fig["speedup_val"] == pytest.approx(2.0)
+    assert fig["gate"]["z_pass1_above_tau"] == 1.0 and fig["gate"]["z_later_above_tau"] == 1.0
+    assert fig["ends_below_single_train"] == 0 and fig["ends_below_single_val"] == 0
+    slow = rows([0.1] * 8)
+    fig = summarise_arm([slow], [single], smooth=2, tau=0.3)
+    assert fig["batches_to_target_train"] is None and fig["reached_train"] == 0
+    assert fig["speedup_train"] is None
+    # Reaching the target on the way down still counts as reaching it; ending below is reported.
+    peaked = rows([0.9, 0.9, 0.2, 0.1, 0.1, 0.1, 0.1, 0.1])
+    fig = summarise_arm([peaked], [single], smooth=1, tau=0.3)
+    assert fig["batches_to_target_train"] == 1 and fig["ends_below_single_train"] == 1
+
+
+@pytest.mark.slow
+def test_quick_mode_end_to_end(tmp_path):
+    out = tmp_path / "dgg"
+    proc = subprocess.run(
+        [sys.executable, "tools/repro_dgg.py", "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [a["arm"] for a in last["arms"]] == ["single", "dgg4"]
+    dgg = last["arms"][1]
+    assert dgg["passes_applied_per_batch"] <= 4 and dgg["learner_passes"] >= 3
+    assert "z_later_mean" in dgg["gate"]
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Every arm started from the one shared SFT checkpoint.
+    for arm in ("single", "dgg4"):
+        log = (out / "lr=0.001" / f"{arm}_s0" / "stderr.log").read_text()
+        assert "resumed from" in log and "at step 0" in log

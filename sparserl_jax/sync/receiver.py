@@ -157,7 +157,6 @@ def scatter_changes(
 
 
 @jax.jit
-@jax.jit
 def _digest(arr):
     # One program per leaf signature, not a dozen eager ops each with its own cross-device
     # reduction: eager collectives on a sharded leaf, interleaved with the trainer's programs

@@ -226,8 +226,10 @@ def _per_device(fn, args, mesh, batch: int, kv_heads: int):
 
 def with_attention_mesh(mesh: Mesh | None, fn: Callable) -> Callable:
     """`fn` traced under `mesh`'s abstract mesh (unchanged without a mesh), so that splash runs
-    per device under `shard_map` there: jit what this returns for a program over `mesh` (its
-    operands or `in_shardings` on `mesh`, so that XLA compiles it for the mesh's devices)."""
+    per device under `shard_map` there and the model pins its activations' layout on it
+    (`parallel.constrain`: rows over data x fsdp): jit what this returns for a program over
+    `mesh` (its operands or `in_shardings` on `mesh`, so that XLA compiles it for the mesh's
+    devices)."""
     if mesh is None:
         return fn
 

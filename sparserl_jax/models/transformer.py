@@ -21,6 +21,15 @@ from sparserl_jax.models.attention import causal_attention
 from sparserl_jax.models.cache import DecodeCache
 from sparserl_jax.models.config import ModelConfig
 from sparserl_jax.models.layers import RMSNorm, apply_rope, param, rope_inv_freq
+from sparserl_jax.parallel.sharding import constrain
+
+# Logical axes of the activations (`parallel.sharding.RULES`): rows over data x fsdp, heads and
+# MLP columns over tensor, on the mesh the program is traced under (`constrain`).
+ACT_BTD = ("batch", "length", "act_embed")
+ACT_BTF = ("batch", "length", "act_mlp")
+ACT_BTNH = ("batch", "length", "act_heads", None)
+ACT_BTKH = ("batch", "length", "act_kv_heads", None)
+ACT_BTV = ("batch", "length", "act_vocab")
 
 
 class Attention(nnx.Module):
@@ -64,14 +73,15 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions_bt, inv_freq)
         k = apply_rope(k, positions_bt, inv_freq)
         q = (q.astype(jnp.float32) * cfg.head_dim**-0.5).astype(dt)
-        return q, k, v
+        return constrain(q, ACT_BTNH), constrain(k, ACT_BTKH), constrain(v, ACT_BTKH)
 
     def output(self, o_btnh: Float[Array, "B T N H"]) -> Float[Array, "B T D"]:
         dt = self.cfg.compute_dtype
-        out = jnp.einsum("btnh,nhd->btd", o_btnh.astype(dt), self.o_proj[...].astype(dt))
+        o_btnh = constrain(o_btnh.astype(dt), ACT_BTNH)
+        out = jnp.einsum("btnh,nhd->btd", o_btnh, self.o_proj[...].astype(dt))
         if self.cfg.o_bias:
             out = out + self.o_bias_[...].astype(dt)[None, None]
-        return out
+        return constrain(out, ACT_BTD)
 
 
 class MLP(nnx.Module):
@@ -96,10 +106,11 @@ class MLP(nnx.Module):
         if self.cfg.mlp_bias:
             gate = gate + self.gate_bias[...].astype(dt)[None, None]
             up = up + self.up_bias[...].astype(dt)[None, None]
-        out = jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, self.down_proj[...].astype(dt))
+        act = constrain(jax.nn.silu(constrain(gate, ACT_BTF)) * constrain(up, ACT_BTF), ACT_BTF)
+        out = jnp.einsum("btf,fd->btd", act, self.down_proj[...].astype(dt))
         if self.cfg.mlp_bias:
             out = out + self.down_bias[...].astype(dt)[None, None]
-        return out
+        return constrain(out, ACT_BTD)
 
 
 class Block(nnx.Module):
@@ -130,8 +141,8 @@ class Block(nnx.Module):
             block_q=cfg.attention_block,
             block_kv=cfg.attention_block,
         )
-        x_btd = x_btd + self.attn.output(o).astype(x_btd.dtype)
-        return x_btd + self.mlp(self.post_attn_norm(x_btd)).astype(x_btd.dtype)
+        x_btd = constrain(x_btd + self.attn.output(o).astype(x_btd.dtype), ACT_BTD)
+        return constrain(x_btd + self.mlp(self.post_attn_norm(x_btd)).astype(x_btd.dtype), ACT_BTD)
 
 
 def segment_positions(segment_ids_bt: Int[Array, "B T"]) -> Int[Array, "B T"]:
@@ -206,10 +217,10 @@ def head_logits(
     `h @ w` for an untied kernel `[D, V]`; operands in the compute `dtype`, accumulated and
     returned in fp32. The one head projection: `Transformer.logits` and the chunked head of
     `rollout.logprobs` both call it."""
-    h_btd = h_btd.astype(dtype)
-    if tied:
-        return jnp.einsum("btd,vd->btv", h_btd, w.astype(dtype), preferred_element_type=jnp.float32)
-    return jnp.einsum("btd,dv->btv", h_btd, w.astype(dtype), preferred_element_type=jnp.float32)
+    h_btd = constrain(h_btd.astype(dtype), ACT_BTD)
+    spec = "btd,vd->btv" if tied else "btd,dv->btv"
+    logits = jnp.einsum(spec, h_btd, w.astype(dtype), preferred_element_type=jnp.float32)
+    return constrain(logits, ACT_BTV)
 
 
 class Transformer(nnx.Module):
@@ -227,7 +238,8 @@ class Transformer(nnx.Module):
     def embed_tokens(self, tokens_bt: Int[Array, "B T"]) -> Float[Array, "B T D"]:
         """Embedding rows of `tokens_bt`; concrete ids are checked first (`check_token_ids`)."""
         check_token_ids(tokens_bt, self.cfg.vocab_size)
-        return jnp.take(self.embed.embedding[...], tokens_bt, axis=0).astype(self.cfg.compute_dtype)
+        x = jnp.take(self.embed.embedding[...], tokens_bt, axis=0).astype(self.cfg.compute_dtype)
+        return constrain(x, ACT_BTD)
 
     def head_weight(self) -> jax.Array:
         """The output projection's parameter as stored: tied, the embedding table `[V, D]`;

@@ -33,6 +33,9 @@ RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", ("data", "fsdp")),
     ("length", ()),
     ("act_embed", ()),
+    ("act_heads", ("tensor",)),
+    ("act_kv_heads", ("tensor",)),
+    ("act_mlp", ("tensor",)),
     ("act_vocab", ("tensor",)),
 )
 
@@ -94,7 +97,7 @@ def logical_to_spec(
         chosen = []
         size = 1
         for axis in table.get(name, ()) if name is not None else ():
-            n = mesh.shape[axis]
+            n = mesh.shape.get(axis, 1)
             if axis in used or n == 1 or dim % (size * n):
                 continue
             chosen.append(axis)
@@ -102,6 +105,23 @@ def logical_to_spec(
         used.update(chosen)
         spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
     return PartitionSpec(*spec)
+
+
+def constrain(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
+    """`x` pinned to the layout its logical axes name on the mesh the program is traced under
+    (`jax.sharding.use_abstract_mesh`, as the learner's step and logprobs are); unchanged when
+    traced without one, or when the mesh's axes are manual (inside `shard_map`).
+
+    The model pins its activations with it (rows over data x fsdp, heads and MLP columns over
+    tensor): without them XLA's sharding propagation lays activations out like the fsdp-sharded
+    weights they meet, hidden dimension split and every row replicated, so each chip computes
+    the whole batch's activations and logits (the 8-chip 7B step held `[8, T, 18944]` MLP
+    activations per chip instead of `[1, T, 18944]`)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.manual_axes:
+        return x
+    spec = logical_to_spec(logical_axes, x.shape, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _is_var(x) -> bool:

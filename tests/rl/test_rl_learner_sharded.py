@@ -45,3 +45,21 @@ def test_sharded_matches_single_device(tied):
     )
     q = s8.params["layers"][0]["attn"]["q_proj"]
     assert q.sharding.spec == eight.param_shardings["layers"][0]["attn"]["q_proj"].spec
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_fsdp_step_keeps_activations_row_sharded(tied):
+    """On an fsdp mesh every chip computes only its own rows: the compiled step holds no
+    full-batch MLP activation or logits chunk. Without the model's activation constraints XLA
+    laid activations out like the fsdp-sharded weights (hidden dimension split, rows replicated),
+    so each chip computed all B rows (the 7B step on 8 chips held `[8, T, 18944]`)."""
+    f, v = 80, 67
+    model = tiny_model(seed=0, num_layers=1, intermediate_size=f, tie_embeddings=tied)
+    learner = Learner(model, config(num_micro_batches=1), mesh=make_mesh(MeshConfig(fsdp=8)))
+    state = learner.init(model)
+    batch = with_old(learner, state, make_batch(seed=0))
+    b, t = batch.tokens_bt.shape
+    hlo = learner._compiled_step(False).lower(state, batch, np.int32(1)).compile().as_text()
+    full = [f"[{b},{t},{f}]", f"[{b},{t - 1},{v}]", f"[{b},{t},{v}]"]
+    assert [s for s in full if s in hlo] == []
+    assert f"[1,{t},{f}]" in hlo  # each chip's own row of the MLP activations

@@ -69,6 +69,8 @@ class ModelSpec:
       attention: teacher-forcing attention (`ModelConfig.attention`): auto (splash on TPU,
         cuDNN on GPU, chunked elsewhere), dense (the `[T, T]` reference), chunked, cudnn, splash.
       attention_block: the query/key block of the chunked path and splash (tokens).
+      mlp_chunk: teacher forcing runs the SwiGLU over blocks of this many tokens when a sequence
+        is longer, each rematerialised in the backward (`ModelConfig.mlp_chunk`); 0: whole.
       seed: initialisation seed of a random model.
     """
 
@@ -80,6 +82,7 @@ class ModelSpec:
     remat: bool = False
     attention: Literal["auto", "dense", "chunked", "cudnn", "splash"] = "auto"
     attention_block: int = 512
+    mlp_chunk: int = 4096
     seed: int = 0
 
     def __post_init__(self):
@@ -111,7 +114,11 @@ class ModelSpec:
 
     def model_config(self) -> ModelConfig:
         """The resolved architecture (reads `config.json` when `hf_dir` is set)."""
-        section = {"attention": self.attention, "attention_block": self.attention_block}
+        section = {
+            "attention": self.attention,
+            "attention_block": self.attention_block,
+            "mlp_chunk": self.mlp_chunk,
+        }
         if self.arch is not None:
             return self.arch.replace(
                 dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, **section

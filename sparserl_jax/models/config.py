@@ -80,6 +80,9 @@ class ModelConfig:
         (online softmax in XLA), "cudnn" or "splash"; a kernel that cannot take the shapes
         falls back to chunked with one log line. Decoding never uses it.
       attention_block: query/key block of the chunked path and splash (tokens).
+      mlp_chunk: teacher forcing runs the SwiGLU over blocks of this many tokens when a sequence
+        is longer (each block rematerialised in the backward pass), so no `[T, F]` activation
+        exists at long T; 0 runs it over the whole sequence.
       family: which Hugging Face architecture this came from / exports to.
     """
 
@@ -104,6 +107,7 @@ class ModelConfig:
     remat: bool = False
     attention: Literal["auto", "dense", "chunked", "cudnn", "splash"] = "auto"
     attention_block: int = 512
+    mlp_chunk: int = 4096
     family: Literal["llama", "qwen2", "qwen3"] = "qwen2"
 
     def __post_init__(self):
@@ -133,6 +137,8 @@ class ModelConfig:
             raise ValueError(
                 f"attention_block must be a positive int, got {self.attention_block!r}"
             )
+        if not isinstance(self.mlp_chunk, int) or self.mlp_chunk < 0:
+            raise ValueError(f"mlp_chunk must be an int >= 0, got {self.mlp_chunk!r}")
         object.__setattr__(self, "param_dtype", dtype_name(self.param_dtype))
         object.__setattr__(self, "dtype", dtype_name(self.dtype))
 

@@ -24,15 +24,12 @@ All three methods start from the same pretrained weights and see the same batche
     every step each replica sends its dense fp32 gradient.
   - DiLoCo: `rounds` rounds of H inner AdamW steps per replica, dense fp32 pseudo-gradients,
     outer Nesterov SGD (lr 0.7, momentum 0.9).
-  - PULSELoCo: the same, with the bf16-visibility gate and error feedback (`loco`); by default
-    bf16 values and entropy-coded positions (`loco_codec`), `--value-dtype float32 --payload
-    auto` for the fp32 values with int32 indices or the raw bitmask of the first version.
+  - PULSELoCo: the same, with the bf16-visibility gate and error feedback (`loco`): bf16 values
+    and entropy-coded positions by default (`value_dtype`, `payload`).
 
 Replica r at round k, inner step h trains on batch `(k, h, r)`; DDP's step k*H + h averages the
-gradients of batches `(k, h, 0..R-1)`. Bytes are what all replicas send in total (`loco` sizes;
-coded payloads: their measured lengths). Beside them: the gate's empirical entropy per entry
-(`P * H2(k / P)` per replica, and the same given θ's exponents) against the bits per entry the
-positions actually took.
+gradients of batches `(k, h, 0..R-1)`. Bytes are what all replicas send in total (`loco` sizes,
+or coded payloads' measured lengths), beside the gate's entropy (`payload_summary`).
 """
 
 from __future__ import annotations
@@ -119,11 +116,7 @@ class LoCoBenchConfig:
             raise ValueError(f"dtype {self.dtype!r} unknown; expected 'bfloat16' or 'float32'")
         if self.task not in TASKS:
             raise ValueError(f"task {self.task!r} unknown; expected one of {TASKS}")
-        if self.value_dtype not in loco.VALUE_DTYPES or self.payload not in loco.PAYLOADS:
-            raise ValueError(
-                f"value_dtype {self.value_dtype!r} / payload {self.payload!r} unknown; expected "
-                f"one of {loco.VALUE_DTYPES} / {loco.PAYLOADS}"
-            )
+        loco.LoCoConfig(value_dtype=self.value_dtype, payload=self.payload)  # checks both
         if self.task == "rl" and (
             self.group_size < 2 or self.batch % self.group_size or self.prompt_len < 1
         ):
@@ -350,14 +343,7 @@ def run_loco(method: str, loss_fn, params, data, evaluate, cfg: LoCoBenchConfig,
         stats = trainer.round({r: at(data, k, slice(None), r) for r in trainer.local})
         evals.append(evaluate(trainer.global_params(), final=k == cfg.rounds - 1))
         density = sum(stats.counts) / (trainer.num_params * cfg.replicas)
-        rounds.append({"sent_bytes": stats.sent_bytes, "padded_bytes": stats.padded_bytes,
-                       "density": density, "inner_loss": stats.inner_loss})  # fmt: skip
-        if method == "pulseloco":
-            rounds[-1] |= {
-                "format": stats.payload_format, "position_bytes": stats.position_bytes,
-                "value_bytes": stats.value_bytes, "gate_entropy_bits": stats.gate_entropy_bits,
-                "context_entropy_bits": stats.context_entropy_bits, "counts": stats.counts,
-            }  # fmt: skip
+        rounds.append(dataclasses.asdict(stats) | {"density": density})
         if log is not None:
             log(f"{method} round {k + 1}: eval {evals[-1]}, density {density:.4f}, "
                 f"{stats.sent_bytes} B")  # fmt: skip
@@ -386,22 +372,17 @@ def payload_summary(rounds: list[dict], entries_per_round: int) -> dict:
     """PULSELoCo's bytes by part over all rounds, per entry of the R x P gate and per sent entry:
     the positions' achieved bits per entry next to the gate's empirical entropy (zeroth order,
     and given θ's exponents where the payload was coded)."""
-    entries = entries_per_round * len(rounds)
-    sent = sum(sum(r["counts"]) for r in rounds)
-    total = {k: sum(r[k] for r in rounds) for k in ("position_bytes", "value_bytes")}
+    keys = ("position_bytes", "value_bytes", "sent_bytes", "gate_entropy_bits")
+    n = {k: sum(r[k] for r in rounds) for k in keys}
+    entries, sent = entries_per_round * len(rounds), sum(sum(r["counts"]) for r in rounds)
     ctx = [r["context_entropy_bits"] for r in rounds]
-    return {
-        "format": rounds[-1]["format"],
-        "sent_entries": sent,
-        "position_bytes": total["position_bytes"],
-        "value_bytes": total["value_bytes"],
-        "position_bits_per_entry": 8 * total["position_bytes"] / entries,
-        "gate_entropy_bits_per_entry": sum(r["gate_entropy_bits"] for r in rounds) / entries,
+    return n | {
+        "format": rounds[-1]["payload_format"], "sent_entries": sent,
+        "position_bits_per_entry": 8 * n["position_bytes"] / entries,
+        "gate_entropy_bits_per_entry": n["gate_entropy_bits"] / entries,
         "context_entropy_bits_per_entry": None if None in ctx else sum(ctx) / entries,
-        "position_bytes_per_sent_entry": total["position_bytes"] / max(sent, 1),
-        "value_bytes_per_sent_entry": total["value_bytes"] / max(sent, 1),
-        "bytes_per_sent_entry": sum(r["sent_bytes"] for r in rounds) / max(sent, 1),
-    }
+        **{f"{k}_per_sent_entry": n[k] / max(sent, 1) for k in keys[:3]},
+    }  # fmt: skip
 
 
 def prepare(cfg: LoCoBenchConfig, log=None):

@@ -13,21 +13,32 @@ replaces the dense Δ_r by a sparse one with error feedback:
 
     s_r    = e_r + Δ_r                               (accumulated pseudo-gradient)
     gate_r = bits(bf16(θ)) != bits(bf16(θ − s_r))    (would the step change the bf16 forward?)
-    send     s_r[gate_r] as fp32 values at their flat indices
-    e_r    = s_r with the sent entries zeroed         (so sent + e_r = s_r exactly)
+    send     v_r = round(s_r[gate_r]) at their flat indices
+    e_r    = s_r − scatter(v_r)                       (so sent + e_r = s_r exactly)
 
-and g = (1/R) Σ_r scatter(sent_r): an entry sent by only some replicas is still divided by R.
+and g = (1/R) Σ_r scatter(v_r): an entry sent by only some replicas is still divided by R.
 Outer momentum is kept (unlike SparseLoCo). The gate compares bit patterns with the PULSESync
 mask (`mask.visible_mask`), so ±0 and NaN are exact.
 
-Payload formats (the positions of the sent entries; the values are always fp32):
+Values (`LoCoConfig.value_dtype`): "bfloat16" (the default) sends `bf16(s)` and keeps the rounding
+error `s − fp32(bf16(s))` (at most 2^-8 of |s|, exact in fp32) in e_r (`split_bf16`): nothing is
+lost, only delayed until the entry fires again. "float32" sends s itself and zeroes e_r there
+(grail v6; its v1 kept a bf16 *step* error in e, a different quantity).
 
-  - "index": an int32 flat index per entry, 8 B per entry in all (grail sends int64, 12 B);
-  - "bitmask": the gate itself packed 8 entries to a byte, ceil(P/8) B, plus 4 B per entry.
+Payload formats (`LoCoConfig.payload`):
 
-The bitmask is smaller once more than P/32 entries are sent (density above 1/32 = 3.1%); with
-`payload="auto"` every round takes the smaller of the two for its padded all-gather. Both carry
-the same (index, value) pairs, so the new θ is bit-identical whichever travels.
+  - "coded" (the default): one byte string per replica (`loco_codec`): the positions as gaps in
+    the context order of θ's exponents and the value bits in byte planes, zstd-coded; the wire
+    bytes are the measured lengths (`coded_payload_bytes`), and the bytes really travel
+    (`loco_wire`). At the bench's ~7% density the positions cost about the gate's entropy
+    (~0.37 bit per entry against the bitmask's 1 and int32 indices' 2.4);
+  - "index": an int32 flat index per entry plus the value (8 or 6 B per entry; grail: int64, 12 B);
+  - "bitmask": the gate itself packed 8 entries to a byte, ceil(P/8) B, plus the values.
+
+The bitmask is smaller than the indices once more than P/32 entries are sent (density above
+1/32 = 3.1%); `payload="auto"` takes the smaller of the two every round for its padded
+all-gather. All formats carry the same (index, value) pairs, so the new θ is bit-identical
+whichever travels.
 
 This module holds the math on flat fp32 parameter vectors (P = number of parameters) and the byte
 accounting; `loco_runtime.LoCoTrainer` runs it over device groups or processes.

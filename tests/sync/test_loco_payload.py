@@ -156,15 +156,20 @@ def test_codec_round_trips_exactly(seed, num, density, itemsize, context):
     assert 16 <= header <= 16 + 4 + 4 * (4 + itemsize)
 
 
-def test_codec_near_the_gate_entropy():
-    # An iid gate at the bench's density: positions cost within 6% of P * H2(k / P) bits.
+@pytest.mark.parametrize(("density", "mode"), [(0.02, 0), (0.07, 0), (0.15, 0), (0.5, 1), (0.8, 1)])
+def test_codec_near_the_gate_entropy(density, mode):
+    # An iid gate: positions cost within 6% of P * H2(k / P) bits, as gaps where few entries
+    # fire and as the packed gate where many do (the header's position mode, byte 7).
     rng = np.random.default_rng(0)
     num = 200_000
-    index = np.flatnonzero(rng.random(num) < 0.07)
+    index = np.flatnonzero(rng.random(num) < density)
     enc = loco_codec.encode_payload(index, np.zeros(index.size, np.uint16), num_params=num)
     bound = loco_codec.gate_entropy_bits(index.size, num) / 8
     assert bound < enc.position_bytes < 1.06 * bound
+    assert enc.blob[7] == mode
     assert enc.value_bytes < 100  # constant values compress to almost nothing
+    dec = loco_codec.decode_payload(enc.blob, num_params=num, value_itemsize=2)
+    np.testing.assert_array_equal(dec.index, index)
 
 
 def test_context_coding_uses_the_exponent_classes():
@@ -222,6 +227,13 @@ def test_decode_refuses_bad_payloads():
     lying = far.blob[:12] + (4000).to_bytes(4, "little") + far.blob[16:]
     with pytest.raises(CorruptPatchError, match=r"positions out of \[0, 4000\)"):
         loco_codec.decode_payload(lying, num_params=4000, value_itemsize=2)
+    # A packed gate whose count was changed: its value streams no longer fit.
+    half = np.flatnonzero(np.random.default_rng(4).random(5000) < 0.5)
+    dense = loco_codec.encode_payload(half, np.zeros(half.size, np.uint16), num_params=5000)
+    assert dense.blob[7] == 1
+    lying = dense.blob[:8] + (half.size + 1).to_bytes(4, "little") + dense.blob[12:]
+    with pytest.raises(CorruptPatchError, match="loco payload stream 1: zstd frame claims"):
+        loco_codec.decode_payload(lying, num_params=5000, value_itemsize=2)
     with pytest.raises(ValueError, match="sorted, unique"):
         loco_codec.encode_payload(np.array([3, 3]), np.zeros(2, np.uint16), num_params=10)
     with pytest.raises(ValueError, match="uint16/uint32"):

@@ -28,7 +28,10 @@ def gate_densities(cfg: LoCoBenchConfig, log=None) -> list[dict]:
     names = [jax.tree_util.keystr(path) for path, _ in leaves]
     bounds = np.cumsum([0] + [x.size for _, x in leaves])
     mesh = replica_mesh(cfg.replicas, jax.devices()[: cfg.replicas])
-    lcfg = loco.LoCoConfig(inner_steps=cfg.inner_steps, pad_multiple=cfg.pad_multiple)
+    lcfg = loco.LoCoConfig(
+        inner_steps=cfg.inner_steps, pad_multiple=cfg.pad_multiple,
+        value_dtype=cfg.value_dtype, payload=cfg.payload,
+    )  # fmt: skip
     trainer = LoCoTrainer(loss_fn, params, adamw(cfg.lr, cfg.weight_decay), lcfg, mesh=mesh)
 
     out = []
@@ -37,7 +40,10 @@ def gate_densities(cfg: LoCoBenchConfig, log=None) -> list[dict]:
         residual = np.asarray(trainer.residual).copy()
         stats = trainer.round({r: at(data, k, slice(None), r) for r in trainer.local})
         delta = theta[None] - np.asarray(trainer.last_local)
-        fired = _bits(theta)[None] != _bits(theta[None] - (residual + delta))
+        s = residual + delta
+        fired = _bits(theta)[None] != _bits(theta[None] - s)
+        if cfg.value_dtype == "bfloat16":  # entries too tiny to split exactly are held back
+            fired &= (np.abs(s) >= loco.BF16_SPLIT_MIN) | (s.view(np.uint32) & 0xFFFF == 0)
         assert tuple(int(n) for n in fired.sum(axis=1)) == stats.counts  # the trainer's own gate
         row = {"round": k + 1, "density": float(fired.mean()),
                "delta_abs_median": float(np.median(np.abs(delta)))}  # fmt: skip

@@ -1,6 +1,7 @@
 """PULSELoCo benchmark: DDP vs DiLoCo vs PULSELoCo from one pretrained start, same data and steps.
 
     python tools/bench_loco.py --json                 # GRPO post-training at lr 3e-6
+    python tools/bench_loco.py --value-dtype float32 --payload auto --json   # fp32, uncoded
     python tools/bench_loco.py --lr 1e-4 --json       # where the savings shrink
     python tools/bench_loco.py --task shift --json    # supervised fine-tuning on a shifted chain
 
@@ -45,6 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--eval-prompts", type=int, default=128, help="rl task: held-out prompts")
     p.add_argument("--outer-lr", type=float, default=0.7)
     p.add_argument("--outer-momentum", type=float, default=0.9)
+    p.add_argument(
+        "--value-dtype", default="bfloat16", choices=("bfloat16", "float32"),
+        help="PULSELoCo's sent values (bf16: rounding errors stay in the residual)",
+    )  # fmt: skip
+    p.add_argument(
+        "--payload", default="coded", choices=("coded", "auto", "index", "bitmask"),
+        help="PULSELoCo's payload: entropy-coded bytes, or padded index / bitmask arrays",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     a = p.parse_args(argv)
@@ -62,7 +71,8 @@ def main(argv: list[str] | None = None) -> None:
         pretrain_steps=a.pretrain_steps,
         pretrain_lr=a.pretrain_lr, task=a.task, shift=a.shift, group_size=a.group_size,
         target_mod=a.target_mod, eval_prompts=a.eval_prompts, outer_lr=a.outer_lr,
-        outer_momentum=a.outer_momentum, seed=a.seed,
+        outer_momentum=a.outer_momentum, value_dtype=a.value_dtype, payload=a.payload,
+        seed=a.seed,
     )  # fmt: skip
     result = run(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if a.json:

@@ -21,6 +21,7 @@ from sparserl_jax.sync.extract import LeafChanges, extract_changes
 from sparserl_jax.sync.header import new_run_id
 from sparserl_jax.sync.loco import (
     LoCoConfig,
+    coded_payload_bytes,
     ddp_bytes,
     diloco_bytes,
     error_feedback,
@@ -30,6 +31,7 @@ from sparserl_jax.sync.loco import (
     payload_bytes,
     pseudo_gradient,
     pulse_gate,
+    split_bf16,
 )
 from sparserl_jax.sync.loco_runtime import (
     LoCoTrainer,
@@ -83,6 +85,7 @@ __all__ = [
     "Transport",
     "TruncatedPatchError",
     "VersionError",
+    "coded_payload_bytes",
     "ddp_bytes",
     "decode",
     "diloco_bytes",
@@ -102,6 +105,7 @@ __all__ = [
     "publish_bits",
     "pulse_gate",
     "replica_mesh",
+    "split_bf16",
     "to_bits",
     "visible_bitmap",
     "visible_delta",

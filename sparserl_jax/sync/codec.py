@@ -49,8 +49,8 @@ from sparserl_jax.sync.decode import TensorPatch as TensorPatch
 from sparserl_jax.sync.decode import decode as decode
 from sparserl_jax.sync.decode import state_digest
 from sparserl_jax.sync.extract import LeafChanges
+from sparserl_jax.sync.header import ITEMSIZES as ITEMSIZES  # re-exported
 from sparserl_jax.sync.header import (
-    GAP_WIDTHS,
     WRITABLE_FORMATS,
     TensorSpec,
     check_run_id,
@@ -58,9 +58,8 @@ from sparserl_jax.sync.header import (
     pack_header,
     streams_of,
 )
-from sparserl_jax.sync.header import ITEMSIZES as ITEMSIZES  # re-exported
 from sparserl_jax.sync.header import read_header as read_header
-from sparserl_jax.sync.planes import byte_planes, entropy_bytes, uint_dtype
+from sparserl_jax.sync.planes import byte_planes, entropy_bytes, gap_width, gaps_of, uint_dtype
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -99,13 +98,6 @@ class CodecConfig:
             raise ValueError(f"format {self.format!r} unknown; expected one of {WRITABLE_FORMATS}")
         if self.values == "step" and self.format < 3:
             raise ValueError("values 'step' needs format 3")
-
-
-def _gap_width(max_gap: int) -> int:
-    for w in GAP_WIDTHS:
-        if max_gap < 1 << (8 * w):
-            return w
-    raise ValueError(f"gap {max_gap} needs more than 4 bytes")
 
 
 def _steps(old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
@@ -147,7 +139,7 @@ def _sparse_v3(s: TensorSpec, ch: LeafChanges, old_bits: np.ndarray, config: Cod
         order = np.argsort(cls, kind="stable")
         pos = pos[order]
         ch = LeafChanges(ch.index[order], ch.delta[order], ch.old[order])
-    gaps = np.diff(pos, prepend=-1) - 1
+    gaps = gaps_of(pos)
     steps = None if config.values in ("new", "xor") else _steps(ch.old, ch.new, s.itemsize)
     mode = _value_mode(ch, s.itemsize, config, steps)
     streams = {}
@@ -212,13 +204,13 @@ def encode(
         if ch is not None and ch.count == 0:
             entry["encoding"] = "unchanged"
         elif ch is not None and ch.count * (1 + s.itemsize) < s.numel * s.itemsize:
-            gaps = np.diff(ch.index, prepend=-1) - 1
-            width = _gap_width(int(gaps.max()))
+            gaps = gaps_of(ch.index)
+            width = gap_width(int(gaps.max()))
             if ch.count * (width + s.itemsize) < s.numel * s.itemsize:
                 sparse = (gaps, width)
         if sparse is not None and fmt >= 3:
             gaps, mode, vstreams, cuts = _sparse_v3(s, ch, base_bits(s.name), config)
-            width = _gap_width(int(gaps.max()))
+            width = gap_width(int(gaps.max()))
             entry.update(encoding="sparse", nnz=ch.count, gap_width=width, values=mode)
             entry["context"] = cuts
             for p, plane in enumerate(byte_planes(gaps, width)):

@@ -26,6 +26,7 @@ import numpy as np
 __all__ = [
     "MAX_CUTS",
     "choose_cuts",
+    "class_mask_bits",
     "context_rank",
     "context_select",
     "entropy_bound",
@@ -237,6 +238,13 @@ def _entropy_bits(counts: np.ndarray) -> float:
     return float(-(counts * np.log2(counts / n)).sum()) if n else 0.0
 
 
+def class_mask_bits(n_c: np.ndarray, k_c: np.ndarray) -> float:
+    """`sum_c n_c * H2(k_c / n_c)` bits: the empirical cost of a mask with `k_c` of the `n_c`
+    elements of each context class c set, coded at each class's own rate (zeroth order within a
+    class). One class gives the plain mask entropy `n * H2(k / n)`."""
+    return float(_binary_entropy_bits(n_c, k_c).sum())
+
+
 def entropy_bound(old: np.ndarray, new: np.ndarray, dtype: str) -> tuple[float, float]:
     """Empirical bytes to code `old -> new` given the receiver's context, as (mask, values).
 
@@ -252,10 +260,7 @@ def entropy_bound(old: np.ndarray, new: np.ndarray, dtype: str) -> tuple[float, 
     changed = old != new
     n_c = np.bincount(key, minlength=256)
     k_c = np.bincount(key[changed], minlength=256)
-    mask_bits = 0.0
-    for n, k in zip(n_c[n_c > 0], k_c[n_c > 0], strict=True):
-        if 0 < k < n:
-            mask_bits += _entropy_bits(np.array([k, n - k]))
+    mask_bits = class_mask_bits(n_c, k_c)
     step = to_line(new[changed], itemsize) - to_line(old[changed], itemsize)
     # (class, step) as one int64: steps lie in (-2**32, 2**32).
     _, joint = np.unique(

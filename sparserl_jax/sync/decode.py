@@ -31,7 +31,7 @@ from sparserl_jax.sync.header import (
 )
 from sparserl_jax.sync.header import corrupt_unless as _check
 from sparserl_jax.sync.header import is_uint as _int
-from sparserl_jax.sync.planes import from_planes, uint_dtype
+from sparserl_jax.sync.planes import from_planes, positions_of, uint_dtype
 
 __all__ = ["Patch", "TensorPatch", "decode", "state_digest"]
 
@@ -90,26 +90,36 @@ def _split_bucket(
             _check(s == raw, f"bucket {b} stream {k}: stored {s} != raw {raw} bytes")
             out[k] = chunk
             continue
-        import zstandard
+        if dctx is None:
+            import zstandard
 
-        dctx = dctx or zstandard.ZstdDecompressor()
-        # The frame's own size claim is checked before anything is allocated: given a size in
-        # its header, `decompress` allocates that much whatever `max_output_size` says.
-        try:
-            claimed = zstandard.frame_content_size(chunk)  # -1: not stated
-        except Exception as e:  # zstandard.ZstdError and friends
-            raise CorruptPatchError(f"bucket {b} stream {k}: zstd frame invalid: {e}") from e
-        said = "states no size" if claimed == -1 else f"claims {claimed} bytes"
-        _check(
-            claimed == raw, f"bucket {b} stream {k}: zstd frame {said}, the manifest allows {raw}"
-        )
-        try:
-            data = dctx.decompress(chunk, max_output_size=raw)
-        except Exception as e:  # zstandard.ZstdError and friends
-            raise CorruptPatchError(f"bucket {b} stream {k}: zstd frame invalid: {e}") from e
-        _check(len(data) == raw, f"bucket {b} stream {k}: {len(data)} bytes, expected {raw}")
-        out[k] = data
+            dctx = zstandard.ZstdDecompressor()
+        out[k] = inflate(chunk, raw, f"bucket {b} stream {k}", dctx)
     return out
+
+
+def inflate(frame: bytes, raw: int, what: str, dctx=None) -> bytes:
+    """One zstd frame that must inflate to exactly `raw` bytes (`CorruptPatchError` otherwise).
+
+    The frame's own size claim is checked before anything is allocated: given a size in its
+    header, `decompress` allocates that much whatever `max_output_size` says. `dctx`: a
+    `zstandard.ZstdDecompressor` to reuse (one is made when None).
+    """
+    import zstandard
+
+    try:
+        claimed = zstandard.frame_content_size(frame)  # -1: not stated
+    except Exception as e:  # zstandard.ZstdError and friends
+        raise CorruptPatchError(f"{what}: zstd frame invalid: {e}") from e
+    said = "states no size" if claimed == -1 else f"claims {claimed} bytes"
+    _check(claimed == raw, f"{what}: zstd frame {said}, the manifest allows {raw}")
+    try:
+        dctx = dctx or zstandard.ZstdDecompressor()
+        data = dctx.decompress(frame, max_output_size=raw)
+    except Exception as e:  # zstandard.ZstdError and friends
+        raise CorruptPatchError(f"{what}: zstd frame invalid: {e}") from e
+    _check(len(data) == raw, f"{what}: {len(data)} bytes, expected {raw}")
+    return data
 
 
 def _sparse_v3_values(
@@ -251,7 +261,7 @@ def decode(
             vals = from_planes(
                 [take(entry, s.name, f"v{p}", nnz) for p in range(s.itemsize)], s.itemsize
             )
-            index = np.cumsum(gaps.astype(np.int64) + 1) - 1
+            index = positions_of(gaps)
             if contextual:  # positions in context order, values in that order
                 signs = take(entry, s.name, "s", (nnz + 7) // 8) if mode == "step" else None
                 _check(index[-1] < s.numel, f"tensor {s.name}: positions out of [0, {s.numel})")

@@ -26,6 +26,7 @@ import struct
 
 from sparserl_jax.sync.context import MAX_CUTS, max_exponent
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
+from sparserl_jax.sync.planes import GAP_WIDTHS
 
 __all__ = [
     "FORMAT_VERSION",
@@ -60,7 +61,6 @@ STREAMS = ("g0", "g1", "g2", "g3", "v0", "v1", "v2", "v3", "d")  # formats 1 and
 STREAMS_V3 = ("g0", "g1", "g2", "g3", "v0", "v1", "v2", "v3", "s", "d")
 VALUE_MODES = {1: ("new", "xor"), 2: ("new", "xor"), 3: ("new", "xor", "step")}
 _ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-GAP_WIDTHS = (1, 2, 4)
 MAX_NUMEL = 2**32  # per leaf: the digest's flat index is a uint32
 ITEMSIZES = {"bool": 1, "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1,
              "int16": 2, "uint16": 2, "float16": 2, "bfloat16": 2,

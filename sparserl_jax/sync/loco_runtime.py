@@ -14,11 +14,14 @@ A round is three jitted programs:
      to the new global weights), run H inner optimizer steps (`lax.scan`), form Δ = θ − θ_r and,
      for PULSELoCo, the error feedback and gate (`loco.prepare_payload`); all-gather the entry
      counts across the replica axis (counts first: they fix the padded payload shape);
-  2. `shard_map` again, with the max count as a static size: compact each replica's payload to
-     fp32 value rows padded to that size plus their positions (int32 index rows, or the packed
-     gate when that is smaller: `LoCoConfig.payload_format`), `lax.all_gather` them over the
-     replica axis and reduce with `loco.mean_of_payloads` (replicas in a fixed order); DiLoCo
-     all-gathers the dense Δ rows instead (`loco.mean_of_dense`);
+  2. the payload exchange, with the max count as a static size. Coded payloads (the default,
+     `loco_wire.CodedExchange`): every process encodes its replicas' sent entries on the host
+     (`loco_codec`), all-gathers the bytes over the replica axis and decodes every replica's
+     (index, value) rows, reduced by `loco.mean_of_payloads` (replicas in a fixed order).
+     Uncoded payloads: `shard_map` again, compacting each replica's payload to value rows (fp32
+     or bf16) padded to that size plus their positions (int32 index rows, or the packed gate
+     when that is smaller: `LoCoConfig.payload_format`), `lax.all_gather` over the replica axis
+     and the same mean. DiLoCo all-gathers the dense Δ rows instead (`loco.mean_of_dense`);
   3. the outer Nesterov step on the replicated θ, an identical program for both methods.
 
 Every device computes the same replicated θ from the same gathered rows in the same order, so all
@@ -43,9 +46,9 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sparserl_jax.sync import loco
+from sparserl_jax.sync import loco, loco_codec
+from sparserl_jax.sync.loco_wire import REPLICA_AXIS, CodedExchange
 
-REPLICA_AXIS = "replica"
 DATA_AXIS = "data"
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -88,11 +91,15 @@ class RoundStats:
 
     round: int
     counts: tuple[int, ...]  # entries each replica sent (P each for DiLoCo)
-    payload_format: str  # "index" or "bitmask" (PULSELoCo), "dense" (DiLoCo)
-    sent_bytes: int  # payload bytes actually needed
+    payload_format: str  # "coded", "index" or "bitmask" (PULSELoCo), "dense" (DiLoCo)
+    sent_bytes: int  # payload bytes actually needed (coded: the encoded blobs' lengths)
     padded_bytes: int  # bytes of the padded all-gather inputs
     diloco_bytes: int  # dense fp32 pseudo-gradients of the same round, for comparison
     inner_loss: float  # mean training loss over all replicas and the H inner steps
+    position_bytes: int = 0  # of sent_bytes: positions (coded gaps, int32 indices or bitmasks)
+    value_bytes: int = 0  # of sent_bytes: values
+    gate_entropy_bits: float = 0.0  # sum over replicas of P * H2(count / P)
+    context_entropy_bits: float | None = None  # the same given θ's exponents (coded only)
 
 
 class LoCoTrainer:
@@ -162,6 +169,11 @@ class LoCoTrainer:
                 out_specs=(spec_r, spec_r, spec_r, P()), check_vma=False,
             )
         )  # fmt: skip
+        self._coded = CodedExchange(mesh, config, self.num_params)
+        self._mean = jax.jit(
+            lambda index_rn, value_rn: loco.mean_of_payloads(index_rn, value_rn, self.num_params),
+            out_shardings=rep,
+        )
         reduce_in = (spec_r, spec_r) if config.method == "pulseloco" else (P(), spec_r)
         self._reduce = jax.jit(
             lambda *rows_in, size, fmt: jax.shard_map(
@@ -207,8 +219,9 @@ class LoCoTrainer:
     def _prepare_body(self, theta, local, residual):
         cfg = self.config
         sent, residual, mask, count = loco.prepare_payload(
-            theta, local[0], residual[0], gate=cfg.gate, gate_dtype=cfg.jnp_gate_dtype
-        )
+            theta, local[0], residual[0], gate=cfg.gate, gate_dtype=cfg.jnp_gate_dtype,
+            value_dtype=cfg.value_dtype,
+        )  # fmt: skip
         # Counts first: the max over replicas is the static size of the payload all-gather.
         return residual[None], sent[None], mask[None], lax.all_gather(count, REPLICA_AXIS)
 
@@ -220,7 +233,9 @@ class LoCoTrainer:
             )
         sent, mask = a[0], b[0]
         index_n, value_n = loco.compact(mask, sent, size=size)
-        value_rn = lax.all_gather(value_n, REPLICA_AXIS)
+        # bf16 values travel as bf16 (exact: `loco.split_bf16` made them bf16 values).
+        wire = jnp.dtype(self.config.value_dtype)
+        value_rn = lax.all_gather(value_n.astype(wire), REPLICA_AXIS).astype(jnp.float32)
         if fmt == "bitmask":
             # The packed gate travels instead of the indices; every receiver re-derives the
             # same sorted indices from it.
@@ -260,22 +275,38 @@ class LoCoTrainer:
 
     def round(self, batches: Mapping[int, Any]) -> RoundStats:
         """One outer round. `batches[r]` for each local replica r: a pytree, leading axis H."""
-        cfg, R = self.config, self.replicas
+        cfg, R, num = self.config, self.replicas, self.num_params
         batches = self._put_batches(batches)
         local, self.opt_state, losses = self._inner(self.theta, self.opt_state, batches)
+        extra = {}
         if cfg.method == "pulseloco":
             self.residual, sent, mask, counts_r = self._prepare(self.theta, local, self.residual)
             counts = [int(c) for c in np.asarray(counts_r.addressable_data(0))]
             padded = cfg.padded_count(max(counts))
-            fmt = cfg.payload_format(self.num_params, padded)
-            grad = self._reduce(sent, mask, size=padded, fmt=fmt)
-            sent_bytes = loco.payload_bytes(counts, self.num_params, fmt)
-            padded_bytes = loco.padded_payload_bytes(R, padded, self.num_params, fmt)
+            fmt = cfg.payload_format(num, padded)
+            entropy = sum(loco_codec.gate_entropy_bits(n, num) for n in counts)
+            if fmt == "coded":
+                coded = self._coded(self.theta, sent, mask, padded)
+                grad = self._mean(*(self._replicated(x) for x in (coded.index_rn, coded.value_rn)))
+                sent_bytes = loco.coded_payload_bytes(coded.blob_bytes)
+                padded_bytes = R * (loco.COUNT_BYTES + coded.padded_length)
+                extra = dict(
+                    position_bytes=coded.position_bytes, value_bytes=coded.value_bytes,
+                    context_entropy_bits=coded.context_entropy_bits,
+                )  # fmt: skip
+            else:
+                grad = self._reduce(sent, mask, size=padded, fmt=fmt)
+                sent_bytes = loco.payload_bytes(counts, num, fmt, cfg.value_bytes)
+                padded_bytes = loco.padded_payload_bytes(R, padded, num, fmt, cfg.value_bytes)
+                values = sum(counts) * cfg.value_bytes
+                extra = dict(position_bytes=sent_bytes - values - R * loco.COUNT_BYTES)
+                extra["value_bytes"] = values
+            extra["gate_entropy_bits"] = entropy
         else:
             fmt = "dense"
-            grad = self._reduce(self.theta, local, size=self.num_params, fmt=fmt)
-            counts = [self.num_params] * R
-            sent_bytes = padded_bytes = loco.diloco_bytes(self.num_params, R)
+            grad = self._reduce(self.theta, local, size=num, fmt=fmt)
+            counts = [num] * R
+            sent_bytes = padded_bytes = loco.diloco_bytes(num, R)
         self.last_local = local
         self.theta, self.outer_state = self._outer(self.theta, self.outer_state, grad)
         self.rounds_done += 1
@@ -285,9 +316,15 @@ class LoCoTrainer:
             payload_format=fmt,
             sent_bytes=sent_bytes,
             padded_bytes=padded_bytes,
-            diloco_bytes=loco.diloco_bytes(self.num_params, R),
+            diloco_bytes=loco.diloco_bytes(num, R),
             inner_loss=float(np.asarray(losses.addressable_data(0)).mean()),
+            **extra,
         )
+
+    def _replicated(self, host: np.ndarray) -> jax.Array:
+        """A host array every process holds identically, as a replicated global array."""
+        rep = NamedSharding(self.mesh, P())
+        return jax.make_array_from_callback(host.shape, rep, lambda idx: host[idx])
 
     # --- checkpoints ---------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
-"""Byte planes: how the patch codec lays out multi-byte gaps and values.
+"""Byte planes and gaps: how the patch codecs lay out positions and multi-byte values.
 
-Plane p of a uint array holds byte p of every element (little-endian), so the mostly-zero high
-bytes of small gaps and of XOR deltas form long runs an entropy stage compresses well.
+Sorted positions travel as gaps `p[k] - p[k-1] - 1` (with `p[-1] = -1`) at the narrowest width
+of `GAP_WIDTHS` that holds the largest one. Plane p of a uint array holds byte p of every element
+(little-endian), so the mostly-zero high bytes of small gaps and of XOR deltas form long runs an
+entropy stage compresses well. Used by the PULSESync codec and the PULSELoCo payload.
 """
 
 from __future__ import annotations
@@ -10,12 +12,41 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["byte_planes", "entropy_bytes", "from_planes", "uint_dtype"]
+__all__ = [
+    "GAP_WIDTHS",
+    "byte_planes",
+    "entropy_bytes",
+    "from_planes",
+    "gap_width",
+    "gaps_of",
+    "positions_of",
+    "uint_dtype",
+]
+
+GAP_WIDTHS = (1, 2, 4)
 
 
 def uint_dtype(size: int) -> np.dtype:
     """The little-endian unsigned integer dtype of `size` bytes."""
     return np.dtype(f"<u{size}")
+
+
+def gaps_of(positions: np.ndarray) -> np.ndarray:
+    """`p[k] - p[k-1] - 1` with `p[-1] = -1` (int64) of strictly increasing positions."""
+    return np.diff(np.asarray(positions, np.int64), prepend=-1) - 1
+
+
+def positions_of(gaps: np.ndarray) -> np.ndarray:
+    """The inverse of `gaps_of` (int64)."""
+    return np.cumsum(np.asarray(gaps, np.int64) + 1) - 1
+
+
+def gap_width(max_gap: int) -> int:
+    """The narrowest of `GAP_WIDTHS` (bytes) that holds `max_gap`."""
+    for w in GAP_WIDTHS:
+        if max_gap < 1 << (8 * w):
+            return w
+    raise ValueError(f"gap {max_gap} needs more than 4 bytes")
 
 
 def byte_planes(x: np.ndarray, width: int) -> list[np.ndarray]:

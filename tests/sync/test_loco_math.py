@@ -95,12 +95,16 @@ def test_error_feedback_conserves_mass_each_round(case, seed):
     np.testing.assert_array_equal(sent + new_res, s)  # sent + residual = s exactly
 
 
+@pytest.mark.parametrize("value_dtype", ["float32", "bfloat16"])
 @settings(max_examples=25, deadline=None)
 @given(st.integers(0, 2**31 - 1), st.integers(1, 8))
-def test_error_feedback_conserves_mass_over_rounds(seed, rounds):
+def test_error_feedback_conserves_mass_over_rounds(value_dtype, seed, rounds):
     # Pseudo-gradients are multiples of 2^-20 below 2^-10 in size, so every fp32 sum below is
-    # exact and must equal the integer sum: Σ_t sent_t + e_T = Σ_t Δ_t with nothing lost.
+    # exact and must equal the integer sum: Σ_t sent_t + e_T = Σ_t Δ_t with nothing lost. bf16
+    # values round s to 8 significant bits, still whole multiples of 2^-20 here, the rest
+    # staying in e.
     rng = np.random.default_rng(seed)
+    ef = jax.jit(loco.error_feedback, static_argnames="value_dtype")
     residual = jnp.zeros(P_, jnp.float32)
     total_sent = np.zeros(P_, np.int64)
     total_delta = np.zeros(P_, np.int64)
@@ -108,9 +112,14 @@ def test_error_feedback_conserves_mass_over_rounds(seed, rounds):
     for _ in range(rounds):
         units = rng.integers(-(2**10), 2**10, P_)
         theta = (rng.normal(size=P_) * 0.05).astype(np.float32)
-        sent, residual, mask = loco.error_feedback(
-            jnp.asarray(theta), residual, jnp.asarray((units * 2.0**-20).astype(np.float32))
+        sent, residual, mask = ef(
+            jnp.asarray(theta),
+            residual,
+            jnp.asarray((units * 2.0**-20).astype(np.float32)),
+            value_dtype=value_dtype,
         )
+        if value_dtype == "bfloat16":
+            assert not np.any(bits32(sent) & 0xFFFF)  # bf16 values
         total_sent += (np.asarray(sent, np.float64) * 2**20).astype(np.int64)
         total_delta += units
         fired += int(np.asarray(mask).sum())
@@ -228,13 +237,26 @@ def test_byte_accounting():
     # bitmask: the packed gate, ceil(P/8) bytes, plus a count and an fp32 value per entry.
     assert loco.payload_bytes([0, 10, 3], 1001, "bitmask") == 3 * (4 + 126) + 13 * 4
     assert loco.padded_payload_bytes(3, 10, 1001, "bitmask") == 3 * (4 + 126 + 40)
+    # bf16 values: 2 B each.
+    assert loco.payload_bytes([0, 10, 3], 1000, "index", value_bytes=2) == 3 * 4 + 13 * 6
+    assert loco.padded_payload_bytes(3, 10, 1001, "bitmask", 2) == 3 * (4 + 126 + 20)
     with pytest.raises(ValueError, match="payload format 'zstd' unknown"):
         loco.payload_bytes([1], 8, "zstd")
-    # auto: the bitmask wins once more than P/32 entries are sent (4 B per entry vs P/8 B).
-    auto = loco.LoCoConfig()
-    assert [auto.payload_format(3200, n) for n in (99, 100, 101)] == ["index", "index", "bitmask"]
+    # Coded: each replica's byte count and its measured blob.
+    assert loco.coded_payload_bytes([100, 7]) == 4 + 100 + 4 + 7
+    # auto: the bitmask wins once more than P/32 entries are sent (4 B per entry vs P/8 B),
+    # whatever the value dtype.
+    for value_dtype in ("float32", "bfloat16"):
+        auto = loco.LoCoConfig(payload="auto", value_dtype=value_dtype)
+        got = [auto.payload_format(3200, n) for n in (99, 100, 101)]
+        assert got == ["index", "index", "bitmask"]
     assert loco.LoCoConfig(payload="index").payload_format(3200, 3200) == "index"
     assert loco.LoCoConfig(payload="bitmask").payload_format(3200, 1) == "bitmask"
+    assert loco.LoCoConfig().payload_format(3200, 1) == "coded"
+    assert (
+        loco.LoCoConfig().value_bytes == 2
+        and loco.LoCoConfig(value_dtype="float32").value_bytes == 4
+    )
     assert loco.diloco_bytes(1000, 4, rounds=5) == 5 * 4 * 1000 * 4
     assert loco.ddp_bytes(1000, 4, steps=50) == 50 * 4 * 1000 * 4
     cfg = loco.LoCoConfig(pad_multiple=256)
@@ -251,6 +273,8 @@ def test_byte_accounting():
         ({"gate_dtype": "float8"}, "gate_dtype 'float8' unknown"),
         ({"pad_multiple": 0}, "pad_multiple must be an int >= 1, got 0"),
         ({"payload": "zstd"}, "payload 'zstd' unknown; expected one of"),
+        ({"value_dtype": "float16"}, "value_dtype 'float16' unknown; expected one of"),
+        ({"zstd_level": 0}, "zstd_level must be an int in 1..22, got 0"),
         ({"method": "diloco", "gate": False}, "gate=False only applies to method='pulseloco'"),
     ],
 )

@@ -4,9 +4,9 @@ The test launches this file twice as a script (one replica per process, one CPU 
 with a free port, an initialization timeout and a hard wall-clock limit, so a hung child can never
 hang the suite. Each child records, after every outer round, the SHA-256 of its global θ, the
 digest of the θ copy its replica restarts from, and the gathered entry counts, once with each
-payload format (int32 indices, packed gate). The two processes must agree bit for bit each round,
-the two formats must give the same θ, and so must the same run done inside this process on two
-fake CPU devices (topology (a)).
+payload format (int32 indices, packed gate, the coded bytes of `loco_wire`, all with bf16
+values). The two processes must agree bit for bit each round, the formats must give the same θ,
+and so must the same run done inside this process on two fake CPU devices (topology (a)).
 """
 
 import json
@@ -28,9 +28,9 @@ from sparserl_jax.sync.loco_runtime import LoCoTrainer, init_cpu_distributed, re
 pytestmark = pytest.mark.slow
 
 H, R, ROUNDS, BATCH, LENGTH, LR = 3, 2, 3, 4, 9, 1e-4
-PAYLOADS = ("index", "bitmask")
+PAYLOADS = ("index", "bitmask", "coded")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WALL_S = 180  # both children together; they normally finish in ~30 s (two runs each)
+WALL_S = 240  # both children together; they normally finish in ~45 s (three runs each)
 
 
 def run_rounds(mesh, payload: str) -> list[dict]:
@@ -109,15 +109,21 @@ def test_two_processes_agree_bit_for_bit(tmp_path):
             assert a["replicas"] == {"0": a["theta"]} and b["replicas"] == {"1": b["theta"]}
             assert 0 < max(a["counts"]) < a["num_params"]  # a real sparse exchange
             assert a["payload_format"] == fmt
-            assert a["sent_bytes"] == loco.payload_bytes(a["counts"], a["num_params"], fmt)
-            # The packed gate and the index rows carry the same entries.
+            assert a["sent_bytes"] == b["sent_bytes"]  # both decoded every replica's payload
+            if fmt == "coded":
+                assert a["sent_bytes"] < results[0]["index"][k]["sent_bytes"]
+            else:
+                count_bytes = loco.payload_bytes(a["counts"], a["num_params"], fmt, 2)
+                assert a["sent_bytes"] == count_bytes
+            # The packed gate, the coded bytes and the index rows carry the same entries.
             assert a["theta"] == results[0]["index"][k]["theta"], f"{fmt} != index"
 
     # Topology (a): the same rounds as two device groups inside this process.
-    single = run_rounds(replica_mesh(R, jax.devices()[:R]), "auto")
+    single = run_rounds(replica_mesh(R, jax.devices()[:R]), "coded")
     for k in range(ROUNDS):
         assert single[k]["theta"] == results[0]["index"][k]["theta"], f"round {k + 1}: (a) != (b)"
         assert single[k]["counts"] == results[0]["index"][k]["counts"]
+        assert single[k]["sent_bytes"] == results[0]["coded"][k]["sent_bytes"]
 
 
 def child(process_id: int, num_processes: int, port: int, out_path: str) -> None:

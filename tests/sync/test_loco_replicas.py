@@ -18,7 +18,7 @@ from jax.flatten_util import ravel_pytree
 
 from benchmarks.bigram import chain, sample
 from benchmarks.loco import build_model, next_token_loss
-from sparserl_jax.sync import loco
+from sparserl_jax.sync import loco, loco_codec
 from sparserl_jax.sync.loco_runtime import LoCoTrainer, replica_mesh
 
 H, R, ROUNDS, BATCH, LENGTH = 3, 2, 3, 4, 9
@@ -46,6 +46,17 @@ def run_trainer(cfg: loco.LoCoConfig, mesh):
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
     return x.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def reference_split(s: np.ndarray, gate: np.ndarray, value_dtype: str):
+    """Numpy error feedback: `(sent, residual, mask)`; bf16 values send `bf16(s)` (round to
+    nearest even) and keep `s - sent` in the residual, except tiny entries (held back whole)."""
+    if value_dtype == "float32":
+        return np.where(gate, s, np.float32(0)), np.where(gate, np.float32(0), s), gate
+    tiny = (np.abs(s) < 2.0**-103) & (s.view(np.uint32) & 0xFFFF != 0)
+    mask = gate & ~tiny
+    hi = s.astype(ml_dtypes.bfloat16).astype(np.float32)
+    return np.where(mask, hi, np.float32(0)), np.where(mask, s - hi, s), mask
 
 
 def assert_bits_equal(a: np.ndarray, b: np.ndarray, what: str):
@@ -92,7 +103,7 @@ def check_against_reference(method: str, cfg: loco.LoCoConfig):
         assert_bits_equal(np.asarray(trainer.theta.addressable_data(0)), theta, f"θ {k}")
         stats = trainer.round({r: data[k, :, r] for r in range(R)})
         local = rows(trainer.last_local)
-        acc, counts = np.zeros_like(theta), []
+        acc, counts, blobs = np.zeros_like(theta), [], []
         for r in range(R):
             ref_local, opts[r] = inner(jnp.asarray(theta), opts[r], jnp.asarray(data[k, :, r]))
             np.testing.assert_allclose(local[r], np.asarray(ref_local), rtol=1e-6, atol=1e-6 * LR)
@@ -100,10 +111,17 @@ def check_against_reference(method: str, cfg: loco.LoCoConfig):
             assert np.mean(delta != 0) > 0.5  # the inner steps really moved most weights
             if method == "pulseloco":
                 s = residuals[r] + delta
-                mask = bf16_bits(theta) != bf16_bits(theta - s)
-                delta = np.where(mask, s, np.float32(0))
-                residuals[r] = np.where(mask, np.float32(0), s)
+                gate = bf16_bits(theta) != bf16_bits(theta - s)
+                delta, residuals[r], mask = reference_split(s, gate, cfg.value_dtype)
                 counts.append(int(mask.sum()))
+                index = np.flatnonzero(mask)
+                bits = delta[index].view(np.uint32)
+                bits = (bits >> 16).astype(np.uint16) if cfg.value_dtype == "bfloat16" else bits
+                blobs.append(
+                    loco_codec.encode_payload(
+                        index, bits, num_params=theta.size, context=bf16_bits(theta)
+                    ).blob
+                )
             acc = acc + delta
         new_theta, outer_state = outer(
             jnp.asarray(theta), outer_state, jnp.asarray(acc * np.float32(1 / R))
@@ -118,26 +136,36 @@ def check_against_reference(method: str, cfg: loco.LoCoConfig):
             padded = cfg.padded_count(max(counts))
             fmt = cfg.payload_format(trainer.num_params, padded)
             assert stats.payload_format == fmt
-            assert stats.sent_bytes == loco.payload_bytes(counts, trainer.num_params, fmt)
-            assert stats.padded_bytes == loco.padded_payload_bytes(
-                R, padded, trainer.num_params, fmt
-            )
+            num, v = trainer.num_params, cfg.value_bytes
+            if fmt == "coded":  # the reported bytes are those of the expected blobs
+                assert stats.sent_bytes == loco.coded_payload_bytes([len(b) for b in blobs])
+                assert stats.position_bytes + stats.value_bytes < stats.sent_bytes
+                assert stats.context_entropy_bits <= stats.gate_entropy_bits
+            else:
+                assert stats.sent_bytes == loco.payload_bytes(counts, num, fmt, v)
+                assert stats.padded_bytes == loco.padded_payload_bytes(R, padded, num, fmt, v)
+                assert stats.value_bytes == sum(counts) * v
+            expect = sum(loco_codec.gate_entropy_bits(n, num) for n in counts)
+            assert stats.gate_entropy_bits == pytest.approx(expect)
             assert 0 < max(counts) < trainer.num_params  # the gate really sparsified
         else:
             assert stats.counts == (trainer.num_params,) * R
             assert stats.sent_bytes == loco.diloco_bytes(trainer.num_params, R)
 
 
-def test_gate_off_equals_diloco_bit_for_bit():
-    # Groups of 2 devices: the inner steps are also data parallel inside each replica.
+@pytest.mark.parametrize("payload", ["auto", "coded"])
+def test_gate_off_equals_diloco_bit_for_bit(payload):
+    # Groups of 2 devices: the inner steps are also data parallel inside each replica. fp32
+    # values: everything is sent exactly (bf16 values would keep their rounding errors back).
     mesh = replica_mesh(R, jax.devices()[: 2 * R])
     dense, dense_stats, _ = run_trainer(loco.LoCoConfig(method="diloco", inner_steps=H), mesh)
-    off, off_stats, t = run_trainer(
-        loco.LoCoConfig(method="pulseloco", gate=False, inner_steps=H), mesh
-    )
+    off_cfg = loco.LoCoConfig(gate=False, inner_steps=H, payload=payload, value_dtype="float32")
+    off, off_stats, t = run_trainer(off_cfg, mesh)
     for k in range(ROUNDS):
         assert_bits_equal(off[k], dense[k], f"round {k + 1}")
         assert off_stats[k].counts == dense_stats[k].counts == (t.num_params,) * R
+    if payload == "coded":
+        return
     assert dense_stats[0].sent_bytes == loco.diloco_bytes(t.num_params, R)
     # Everything sent: the packed gate is cheaper than P indices.
     assert off_stats[0].payload_format == "bitmask"
@@ -150,25 +178,31 @@ def test_diloco_matches_plain_reference():
     check_against_reference("diloco", loco.LoCoConfig(method="diloco", inner_steps=H))
 
 
-@pytest.mark.parametrize("payload", ["index", "bitmask"])
-def test_pulseloco_matches_plain_reference(payload):
-    cfg = loco.LoCoConfig(method="pulseloco", inner_steps=H, pad_multiple=64, payload=payload)
+@pytest.mark.parametrize(
+    ("payload", "value_dtype"),
+    [("index", "float32"), ("bitmask", "float32"), ("bitmask", "bfloat16"), ("coded", "bfloat16")],
+)
+def test_pulseloco_matches_plain_reference(payload, value_dtype):
+    cfg = loco.LoCoConfig(inner_steps=H, pad_multiple=64, payload=payload, value_dtype=value_dtype)
     check_against_reference("pulseloco", cfg)
 
 
 @pytest.mark.slow
-def test_payload_formats_give_identical_weights():
-    # The packed gate and the index rows carry the same entries: same θ and residual bits.
+@pytest.mark.parametrize("other", ["bitmask", "coded"])
+def test_payload_formats_give_identical_weights(other):
+    # The packed gate, the coded payload and the index rows carry the same entries: same θ and
+    # residual bits.
     mesh = replica_mesh(R, jax.devices()[:R])
     runs = {
         fmt: run_trainer(loco.LoCoConfig(inner_steps=H, payload=fmt), mesh)
-        for fmt in ("index", "bitmask")
+        for fmt in ("index", other)
     }
-    (by_index, index_stats, a), (by_mask, mask_stats, b) = runs["index"], runs["bitmask"]
+    (by_index, index_stats, a), (by_other, other_stats, b) = runs["index"], runs[other]
     for k in range(ROUNDS):
-        assert_bits_equal(by_mask[k], by_index[k], f"round {k + 1}")
-        assert index_stats[k].counts == mask_stats[k].counts
-        assert (index_stats[k].payload_format, mask_stats[k].payload_format) == ("index", "bitmask")
+        assert_bits_equal(by_other[k], by_index[k], f"round {k + 1}")
+        assert index_stats[k].counts == other_stats[k].counts
+        assert (index_stats[k].payload_format, other_stats[k].payload_format) == ("index", other)
+        assert other_stats[k].sent_bytes < index_stats[k].sent_bytes
     assert_bits_equal(rows(a.residual), rows(b.residual), "residual")
 
 

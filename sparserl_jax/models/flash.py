@@ -50,12 +50,12 @@ def _kv_blocks(i, bq: int, bk: int, nk: int):
     return jnp.minimum(nk, ((i + 1) * bq - 1) // bk + 1)
 
 
-def _blocks(x, n: int, b: int):
+def blocks(x, n: int, b: int):
     """`[B, n*b, ...] -> [n, B, b, ...]`."""
     return jnp.moveaxis(x.reshape(x.shape[0], n, b, *x.shape[2:]), 1, 0)
 
 
-def _unblocks(x):
+def unblocks(x):
     """`[n, B, b, ...] -> [B, n*b, ...]`."""
     x = jnp.moveaxis(x, 0, 1)
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
@@ -94,9 +94,9 @@ def _forward(q_btkgh, k_btkh, v_btkh, seg_bt, bq: int, bk: int):
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, denom, 1.0)), 0.0)
         return out, lse
 
-    xs = (jnp.arange(nq, dtype=jnp.int32), _blocks(q_btkgh, nq, bq), _blocks(seg_bt, nq, bq))
+    xs = (jnp.arange(nq, dtype=jnp.int32), blocks(q_btkgh, nq, bq), blocks(seg_bt, nq, bq))
     out, lse = jax.lax.map(q_block, xs)
-    return _unblocks(out), lse
+    return unblocks(out), lse
 
 
 def _backward(q_btkgh, k_btkh, v_btkh, seg_bt, out_btkgh, lse, do_btkgh, bq: int, bk: int):
@@ -107,7 +107,7 @@ def _backward(q_btkgh, k_btkh, v_btkh, seg_bt, out_btkgh, lse, do_btkgh, bq: int
     cdt = q_btkgh.dtype
     # D_i = rowsum(dO * O): the softmax Jacobian's diagonal term.
     delta_btkg = jnp.sum(do_btkgh.astype(jnp.float32) * out_btkgh, axis=-1)
-    delta = _blocks(delta_btkg, nq, bq).transpose(0, 1, 3, 4, 2)  # [nq, B, K, G, bq]
+    delta = blocks(delta_btkg, nq, bq).transpose(0, 1, 3, 4, 2)  # [nq, B, K, G, bq]
 
     def q_block(carry, args):
         dk, dv = carry
@@ -145,14 +145,14 @@ def _backward(q_btkgh, k_btkh, v_btkh, seg_bt, out_btkgh, lse, do_btkgh, bq: int
     zeros = jnp.zeros((b, t, kh, h), jnp.float32)
     xs = (
         jnp.arange(nq, dtype=jnp.int32),
-        _blocks(q_btkgh, nq, bq),
-        _blocks(do_btkgh, nq, bq),
-        _blocks(seg_bt, nq, bq),
+        blocks(q_btkgh, nq, bq),
+        blocks(do_btkgh, nq, bq),
+        blocks(seg_bt, nq, bq),
         lse,
         delta,
     )
     (dk, dv), dq = jax.lax.scan(q_block, (zeros, zeros), xs)
-    return _unblocks(dq), dk, dv
+    return unblocks(dq), dk, dv
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))

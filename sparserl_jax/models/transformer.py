@@ -20,6 +20,7 @@ from jaxtyping import Array, Bool, Float, Int
 from sparserl_jax.models.attention import causal_attention
 from sparserl_jax.models.cache import DecodeCache
 from sparserl_jax.models.config import ModelConfig
+from sparserl_jax.models.flash import blocks, unblocks
 from sparserl_jax.models.layers import RMSNorm, apply_rope, param, rope_inv_freq
 from sparserl_jax.parallel.sharding import constrain
 
@@ -135,12 +136,13 @@ def chunked_swiglu(
     (fp32 masters), not in the compute dtype. Under block remat (`cfg.remat`) the blocks'
     recompute is the one remat already pays; without it the MLP forward runs twice.
     """
-    b, t, d = x_btd.shape
+    t = x_btd.shape[1]
     n = -(-t // chunk)
     x = jnp.pad(x_btd, ((0, 0), (0, n * chunk - t), (0, 0)))
-    xs = jnp.moveaxis(x.reshape(b, n, chunk, d), 1, 0)
-    ys = jax.lax.map(jax.checkpoint(lambda x_bcd: swiglu(x_bcd, weights, dtype)), xs)
-    return jnp.moveaxis(ys, 0, 1).reshape(b, n * chunk, d)[:, :t]
+    ys = jax.lax.map(
+        jax.checkpoint(lambda x_bcd: swiglu(x_bcd, weights, dtype)), blocks(x, n, chunk)
+    )
+    return unblocks(ys)[:, :t]
 
 
 class Block(nnx.Module):

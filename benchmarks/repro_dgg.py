@@ -25,6 +25,7 @@ batch; and from the per-pass `dgg/z_pass{k}`, what the gate saw (`gate_diagnosti
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -59,10 +60,16 @@ def run_arm(
     config: str, overrides: list[str], run_dir: Path, checkpoints: Path, *, rerun: bool = True
 ) -> dict:
     """One `sparserl train` run in `run_dir`, started from a copy of `checkpoints` (the shared
-    SFT step 0). Returns its metrics rows and wall time. `rerun=False` reads the rows a
-    finished run left in `run_dir` instead (to re-analyse, e.g. with another smoothing)."""
+    SFT step 0). Returns its metrics rows, resolved config and wall time. `rerun=False` reads
+    what a finished run left in `run_dir` instead (to re-analyse, e.g. with another smoothing)."""
+
+    def result(wall_s: float) -> dict:
+        rows = read_metrics(run_dir / "metrics.jsonl")
+        config = json.loads((run_dir / "config.json").read_text())
+        return {"rows": rows, "config": config, "wall_s": wall_s}
+
     if not rerun:
-        return {"rows": read_metrics(run_dir / "metrics.jsonl"), "wall_s": 0.0}
+        return result(0.0)
     if run_dir.exists():
         shutil.rmtree(run_dir)
     shutil.copytree(checkpoints, run_dir / "checkpoints")
@@ -75,7 +82,7 @@ def run_arm(
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     if "resumed from" not in proc.stderr:
         raise RuntimeError(f"{run_dir} did not start from the shared checkpoint:\n{proc.stderr}")
-    return {"rows": read_metrics(run_dir / "metrics.jsonl"), "wall_s": wall}
+    return result(wall)
 
 
 def curves(rows: list[dict]) -> dict[str, np.ndarray]:
@@ -131,13 +138,86 @@ def gate_diagnostics(rows: list[dict], tau: float) -> dict:
     }
 
 
+# Gate rules replayed on a fixed-reuse run's per-pass log (`replay_gates`). The statistic x of
+# pass k (k > 1) is compared with a window of earlier x: "pooled" is the gate as built (the
+# increment dg against every earlier increment, pass 1's included); "pooled_rising" also needs
+# dg > 0 (a real surge); the "per_pass" rules compare pass k only with earlier batches' pass k
+# (of dg, of the energy g, or of g relative to the batch's pass-1 energy).
+REPLAY_RULES = ("pooled", "pooled_rising", "per_pass_dg", "per_pass_g", "per_pass_ratio")
+
+
+def pass_energies(rows: list[dict]) -> np.ndarray:
+    """`[batches, K]` lm_head gradient energy per pass of a run whose every batch ran K passes,
+    rebuilt from the last pass's `dgg/g` and the logged increments `dgg/dg_pass{k}`."""
+    steps = [r for r in rows if "dgg/dg_pass1" in r]
+    k_max = min(r["dgg/passes_run"] for r in steps)
+    g = np.zeros((len(steps), k_max))
+    for b, r in enumerate(steps):
+        g[b, -1] = r["dgg/g"]
+        for k in range(k_max - 1, 0, -1):
+            g[b, k - 1] = g[b, k] - r[f"dgg/dg_pass{k + 1}"]
+    return g
+
+
+def replay_gates(rows: list[dict], *, tau: float, window: int, eps: float = 1e-8) -> dict:
+    """Where each rule of `REPLAY_RULES` would fire on a fixed-reuse run (gate off, K passes on
+    every batch), the trajectory held fixed (so only the first fire is exact; later ones show how
+    often the rule trips). Armed as the gate is: pass k > 1, window full. Per rule: the fires,
+    the batches with one and the first such batch (1-based)."""
+    g = pass_energies(rows)
+    dg = np.diff(g, axis=1, prepend=np.nan)
+    steps = [r for r in rows if "dgg/dg_pass1" in r]
+    dg[:, 0] = [r["dgg/dg_pass1"] for r in steps]
+    x_of = {
+        "pooled": dg,
+        "pooled_rising": dg,
+        "per_pass_dg": dg,
+        "per_pass_g": g,
+        "per_pass_ratio": g / g[:, :1],
+    }
+    out = {}
+    for rule in REPLAY_RULES:
+        x = x_of[rule]
+        pooled = rule.startswith("pooled")
+        windows = [[] for _ in range(1 if pooled else x.shape[1])]
+        fired = []
+        for b in range(x.shape[0]):
+            for k in range(x.shape[1]):
+                win = windows[0 if pooled else k]
+                if k > 0 and len(win) >= window:
+                    w = np.asarray(win[-window:])
+                    z = (x[b, k] - w.mean()) / (w.std() + eps)
+                    if z > tau and (rule != "pooled_rising" or x[b, k] > 0):
+                        fired.append(b + 1)
+                win.append(x[b, k])
+        out[rule] = {
+            "fires": len(fired),
+            "batches_fired": len(set(fired)),
+            "first_fire_batch": fired[0] if fired else None,
+        }
+    half = g.shape[0] // 2
+    ratio = g[:, -1] / g[:, 0]
+    out["g_last_over_first"] = {
+        "first_half": float(ratio[:half].mean()),
+        "second_half": float(ratio[half:].mean()),
+    }
+    return out
+
+
 def summarise_arm(
-    arm_rows: list[list[dict]], base_rows: list[list[dict]], *, smooth: int, tau: float
+    arm_rows: list[list[dict]],
+    base_rows: list[list[dict]],
+    *,
+    smooth: int,
+    tau: float,
+    window: int | None = None,
 ) -> dict:
     """Figures of one arm over its seeds (`arm_rows[i]` and `base_rows[i]`, the single-use run,
     share seed i): batches to reach the single-use final reward (training reward as a trailing
     mean over `smooth` steps, counted from step `smooth` on; held-out at its evaluation steps),
-    final rewards, gate fires and passes applied per batch, and the gate diagnostics."""
+    final rewards, gate fires and passes applied per batch, and the gate diagnostics. With
+    `window`, an arm that ran more than one pass on every batch without a fire (fixed reuse)
+    also gets `gate_replay`: `replay_gates` per seed."""
     per_seed = []
     for rows, base in zip(arm_rows, base_rows, strict=True):
         c, b = curves(rows), curves(base)
@@ -201,6 +281,10 @@ def summarise_arm(
     out["speedup_val"] = speedup("single_batches_to_target_val", "batches_to_target_val")
     out["seeds"] = per_seed
     out["gate"] = gate_diagnostics([r for rows in arm_rows for r in rows], tau)
+    learn = [r for rows in arm_rows for r in rows if "dgg/passes_run" in r]
+    fixed = learn and all(r["dgg/fires"] == 0 for r in learn)
+    if window is not None and fixed and min(r["dgg/passes_run"] for r in learn) > 1:
+        out["gate_replay"] = [replay_gates(rows, tau=tau, window=window) for rows in arm_rows]
     return out
 
 

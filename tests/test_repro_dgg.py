@@ -78,3 +78,32 @@ def test_quick_mode_end_to_end(tmp_path):
     for arm in ("single", "dgg4"):
         log = (out / "lr=0.001" / f"{arm}_s0" / "stderr.log").read_text()
         assert "resumed from" in log and "at step 0" in log
+
+
+def fixed_rows(energies):
+    """Rows of a fixed-reuse run (gate off) with the given `[batches, K]` energies per pass."""
+    out, prev = [], None
+    for s, g in enumerate(energies, start=1):
+        row = {"step": s, "dgg/g": g[-1], "dgg/fires": 0, "dgg/passes_run": len(g)}
+        for k, e in enumerate(g, start=1):
+            row[f"dgg/dg_pass{k}"] = 0.0 if prev is None else e - prev
+            prev = e
+        out.append(row)
+    return out
+
+
+def test_replay_rebuilds_energies_and_finds_a_surge():
+    from benchmarks.repro_dgg import pass_energies, replay_gates
+
+    rng = np.random.default_rng(0)
+    # Every batch: a fresh-batch energy, then falling over the passes ...
+    g = [[1.0 + 0.1 * rng.random(), 0.5, 0.25, 0.125] for _ in range(12)]
+    g[10] = [1.0, 0.5, 2.0, 0.125]  # ... except batch 11, whose pass 3 surges
+    rows = fixed_rows(g)
+    np.testing.assert_allclose(pass_energies(rows), g, rtol=1e-12)
+    replay = replay_gates(rows, tau=0.3, window=8)
+    # The increment +1.5 tops every earlier one, pass-1 jumps included.
+    assert replay["pooled"]["first_fire_batch"] == 11
+    assert replay["pooled_rising"]["fires"] == 1
+    assert replay["per_pass_g"]["first_fire_batch"] == 11
+    assert replay["g_last_over_first"]["first_half"] < 0.13

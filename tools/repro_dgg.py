@@ -99,7 +99,11 @@ def main() -> None:
                 results[regime][arm].append(run["rows"])
                 walls.append(run["wall_s"])
             fig = summarise_arm(
-                results[regime][arm], results[regime]["single"], smooth=a.smooth, tau=a.tau
+                results[regime][arm],
+                results[regime]["single"],
+                smooth=a.smooth,
+                tau=a.tau,
+                window=run["config"]["learner"]["gating"]["window"],
             )
             row = {"regime": regime, "arm": arm, "wall_s": round(sum(walls), 1), **fig}
             print(json.dumps({k: v for k, v in row.items() if k != "seeds"}), flush=True)

@@ -154,7 +154,7 @@ class _Ranges:
         """Context positions of the class-j elements at flat `index`."""
         words, before = self.class_words(j)
         w = index >> 6
-        low = _low_mask(index & 63)
+        low = _LOW_MASKS[index & 63]
         return self.starts[j] + before[w] + np.bitwise_count(words[w] & low)
 
     def select(self, j: int, r: np.ndarray) -> np.ndarray:
@@ -164,9 +164,8 @@ class _Ranges:
         return w * 64 + _select_in_word(words[w], r - before[w])
 
 
-def _low_mask(n: np.ndarray) -> np.ndarray:
-    """`2**n - 1` as uint64 for `0 <= n <= 63`."""
-    return (np.uint64(1) << n.astype(np.uint64)) - np.uint64(1)
+# `2**n - 1` as uint64 for `0 <= n <= 63`: the bits of a word before bit n.
+_LOW_MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)
 
 
 def _select_bytes() -> np.ndarray:

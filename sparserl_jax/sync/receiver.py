@@ -129,24 +129,18 @@ def scatter_changes(
     if numel >= 2**32 - 1:
         raise ValueError(f"leaf with {numel} elements exceeds the 2**32 - 1 element limit")
     c = chunk or scatter_chunk(numel)
-    rep = _replicated(sharding)
+    chunks = -(-index.size // c)
+    flat = np.full((chunks, c), numel, np.uint32)
+    flat.reshape(-1)[: index.size] = index
+    v = np.zeros((chunks, c), vals.dtype)
+    v.reshape(-1)[: index.size] = vals
+    # One transfer for the whole leaf: a device_put per chunk cost more than its copy.
+    put = jax.device_put([np.bool_(xor), *flat, *v], _replicated(sharding))
+    flag, flats, vs = put[0], put[1 : chunks + 1], put[chunks + 1 :]
     out, deltas = arr, []
-    for k, start in enumerate(range(0, index.size, c)):
-        part = slice(start, start + c)
-        m = index[part].size
-        flat = np.full((c,), numel, np.uint32)
-        flat[:m] = index[part]
-        v = np.zeros((c,), vals.dtype)
-        v[:m] = vals[part]
+    for k in range(chunks):
         fn = _scatter_first if k == 0 else _scatter_more
-        out, d = fn(
-            out,
-            jax.device_put(flat, rep),
-            jax.device_put(v, rep),
-            jax.device_put(np.bool_(xor), rep),
-            sharding=sharding,
-            digest=digest,
-        )
+        out, d = fn(out, flats[k], vs[k], flag, sharding=sharding, digest=digest)
         deltas.append(d)
     if not digest:
         return out, None

@@ -22,6 +22,7 @@ there. Anchors are published every K versions (default 10).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping
 from typing import Literal
@@ -44,7 +45,7 @@ from sparserl_jax.sync.errors import (
     VersionError,
 )
 from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
-from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, to_bits
+from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, lane_sums, to_bits
 from sparserl_jax.sync.transport import Transport
 
 # The first chunk of a leaf copies the held array (kept until the digests are proven), later
@@ -92,16 +93,11 @@ def _scatter_body(arr, flat, vals, xor, *, sharding: Sharding, digest: bool):
     new = bits.at[idx].get(mode="fill", fill_value=0)
     o32, n32 = old.astype(jnp.uint32), new.astype(jnp.uint32)
     zero = jnp.zeros_like(flat)
-    delta = jnp.stack(
-        [
-            jnp.sum(
-                jnp.where(valid, element_hash(flat, n32, k) - element_hash(flat, o32, k), zero),
-                dtype=jnp.uint32,
-            )
-            for k in range(2)
-        ]
+    terms = tuple(
+        jnp.where(valid, element_hash(flat, n32, k) - element_hash(flat, o32, k), zero)
+        for k in range(2)
     )
-    return out, delta
+    return out, lane_sums(terms, local=len(sharding.device_set) == 1)
 
 
 _scatter_first = jax.jit(_scatter_body, static_argnames=("sharding", "digest"))
@@ -150,12 +146,17 @@ def scatter_changes(
     return out, change
 
 
-@jax.jit
-def _digest(arr):
+@functools.partial(jax.jit, static_argnames="local")
+def _digest_jit(arr, *, local: bool):
     # One program per leaf signature, not a dozen eager ops each with its own cross-device
     # reduction: eager collectives on a sharded leaf, interleaved with the trainer's programs
     # still running asynchronously on other devices, aborted XLA:CPU (SIGABRT) in the tests.
-    return _leaf_digest(to_bits(arr, None))
+    return _leaf_digest(to_bits(arr, None), local=local)
+
+
+def _digest(arr: jax.Array) -> jax.Array:
+    """A held leaf's two digest lanes, computed on device (`mask.leaf_digests`' arithmetic)."""
+    return _digest_jit(arr, local=len(arr.sharding.device_set) == 1)
 
 
 def _replicated(sharding: Sharding) -> Sharding:

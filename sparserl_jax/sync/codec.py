@@ -114,12 +114,12 @@ def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig, steps=None)
     if config.compression == "none":
         return "new"
     cost = {
-        "new": entropy_bytes(byte_planes(ch.new, itemsize)),
-        "xor": entropy_bytes(byte_planes(ch.delta, itemsize)),
+        "new": entropy_bytes(ch.new, itemsize),
+        "xor": entropy_bytes(ch.delta, itemsize),
     }
     if steps is not None:
         signs, mags = steps
-        cost["step"] = signs.size + entropy_bytes(byte_planes(mags, itemsize))
+        cost["step"] = signs.size + entropy_bytes(mags, itemsize)
     return min(cost, key=cost.get)  # ties: the first, "new"
 
 

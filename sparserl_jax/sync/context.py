@@ -264,15 +264,16 @@ def context_select(
 
 
 def to_line(bits: np.ndarray, itemsize: int) -> np.ndarray:
-    """Bit patterns (sign-magnitude floats) as int64 on the ordered line; a bijection.
+    """Bit patterns (sign-magnitude floats) as integers on the ordered line; a bijection.
 
     +0 -> 0, the smallest positive subnormal -> 1, ..., -0 -> -1, the largest negative
     subnormal -> -2, ...: adjacent representable values are adjacent integers, so a one-ulp change
     is a step of 1 (NaN and inf patterns sit beyond the finite values; ints map the same way).
+    int32 for 1- and 2-byte items (a step between two of them still fits), else int64.
     """
     top = 1 << (8 * itemsize - 1)
     b = bits.astype(np.int32 if itemsize < 4 else np.int64)
-    return np.where(b >= top, top - 1 - b, b).astype(np.int64, copy=False)
+    return np.where(b >= top, top - 1 - b, b)
 
 
 def from_line(line: np.ndarray, itemsize: int) -> np.ndarray:

@@ -40,8 +40,7 @@ import numpy as np
 
 from sparserl_jax.sync.context import (
     choose_cuts,
-    context_rank,
-    exponent_key,
+    context_order,
     to_line,
 )
 from sparserl_jax.sync.decode import Patch as Patch  # re-exported
@@ -115,12 +114,12 @@ def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig, steps=None)
     if config.compression == "none":
         return "new"
     cost = {
-        "new": entropy_bytes(byte_planes(ch.new, itemsize)),
-        "xor": entropy_bytes(byte_planes(ch.delta, itemsize)),
+        "new": entropy_bytes(ch.new, itemsize),
+        "xor": entropy_bytes(ch.delta, itemsize),
     }
     if steps is not None:
         signs, mags = steps
-        cost["step"] = signs.size + entropy_bytes(byte_planes(mags, itemsize))
+        cost["step"] = signs.size + entropy_bytes(mags, itemsize)
     return min(cost, key=cost.get)  # ties: the first, "new"
 
 
@@ -131,13 +130,10 @@ def _sparse_v3(s: TensorSpec, ch: LeafChanges, old_bits: np.ndarray, config: Cod
         raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
     old_bits = old_bits.reshape(-1).view(uint_dtype(s.itemsize))
     cuts = choose_cuts(old_bits, ch.old, s.dtype)
-    pos = context_rank(old_bits, s.dtype, cuts, ch.index)
+    # Within a class positions rise with the (sorted) flat index: context order is a stable
+    # sort by class.
+    order, pos = context_order(old_bits, s.dtype, cuts, ch.index)
     if cuts:
-        # Within a class positions rise with the (sorted) flat index: context order is a stable
-        # sort by class, a radix sort of small ints.
-        cls = np.searchsorted(cuts, exponent_key(ch.old, s.dtype), side="right").astype(np.uint8)
-        order = np.argsort(cls, kind="stable")
-        pos = pos[order]
         ch = LeafChanges(ch.index[order], ch.delta[order], ch.old[order])
     gaps = gaps_of(pos)
     steps = None if config.values in ("new", "xor") else _steps(ch.old, ch.new, s.itemsize)

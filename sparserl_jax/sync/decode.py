@@ -139,7 +139,7 @@ def _sparse_v3_values(
     else:
         neg = np.unpackbits(np.asarray(signs), bitorder="little")
         _check(not neg[pos.size :].any(), f"tensor {s.name}: sign stream padding is not zero")
-        mag = vals.astype(np.int64) + 1
+        mag = vals.astype(np.int32 if s.itemsize < 4 else np.int64) + 1  # as `to_line`
         line = to_line(old, s.itemsize) + np.where(neg[: pos.size] != 0, -mag, mag)
         top = 1 << (8 * s.itemsize - 1)
         _check(

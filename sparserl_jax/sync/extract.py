@@ -13,6 +13,7 @@ shard copies it to the host; a device-side compaction would avoid that and is no
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -26,8 +27,8 @@ class LeafChanges:
     delta: np.ndarray
     old: np.ndarray
 
-    @property
-    def new(self) -> np.ndarray:
+    @functools.cached_property
+    def new(self) -> np.ndarray:  # computed once: the codec reads it several times
         return self.old ^ self.delta
 
     @property

@@ -63,14 +63,22 @@ def from_planes(planes: Sequence[np.ndarray], width: int) -> np.ndarray:
     return out.reshape(-1).view(uint_dtype(width))
 
 
-def entropy_bytes(planes: Sequence[np.ndarray], sample: int = 1 << 16) -> float:
-    """Zeroth-order entropy of each byte plane, in bytes: what an entropy coder can reach.
+def entropy_bytes(x: np.ndarray, width: int, sample: int = 1 << 16) -> float:
+    """Zeroth-order entropy of the byte planes of uint array `x` (`byte_planes(x, width)`), in
+    bytes: what an entropy coder can reach.
 
-    Estimated from an evenly strided sample of at most `sample` bytes per plane.
+    Estimated from an evenly strided sample of at most `sample` elements.
     """
+    x = x.astype(uint_dtype(width), copy=False)
+    picked = x[:: max(1, x.size // sample)]
+    if width == 2:  # one histogram of the 16-bit values counts both planes: half the counting
+        joint = np.bincount(picked, minlength=1 << 16).reshape(256, 256)  # [high, low]
+        counts = [joint.sum(axis=0), joint.sum(axis=1)]
+    else:
+        by = np.ascontiguousarray(picked).view(np.uint8).reshape(-1, width)
+        counts = [np.bincount(by[:, p], minlength=256) for p in range(width)]
     total = 0.0
-    for plane in planes:
-        counts = np.bincount(plane[:: max(1, plane.size // sample)], minlength=256)
-        p = counts[counts > 0] / counts.sum()
-        total += float(-(p * np.log2(p)).sum()) * plane.size / 8
+    for c in counts:
+        p = c[c > 0] / c.sum()
+        total += float(-(p * np.log2(p)).sum()) * x.size / 8
     return total

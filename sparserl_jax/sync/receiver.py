@@ -22,6 +22,7 @@ there. Anchors are published every K versions (default 10).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping
 from typing import Literal
@@ -44,7 +45,7 @@ from sparserl_jax.sync.errors import (
     VersionError,
 )
 from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
-from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, to_bits
+from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, lane_sums, to_bits
 from sparserl_jax.sync.transport import Transport
 
 # The first chunk of a leaf copies the held array (kept until the digests are proven), later
@@ -92,16 +93,11 @@ def _scatter_body(arr, flat, vals, xor, *, sharding: Sharding, digest: bool):
     new = bits.at[idx].get(mode="fill", fill_value=0)
     o32, n32 = old.astype(jnp.uint32), new.astype(jnp.uint32)
     zero = jnp.zeros_like(flat)
-    delta = jnp.stack(
-        [
-            jnp.sum(
-                jnp.where(valid, element_hash(flat, n32, k) - element_hash(flat, o32, k), zero),
-                dtype=jnp.uint32,
-            )
-            for k in range(2)
-        ]
+    terms = tuple(
+        jnp.where(valid, element_hash(flat, n32, k) - element_hash(flat, o32, k), zero)
+        for k in range(2)
     )
-    return out, delta
+    return out, lane_sums(terms, local=len(sharding.device_set) == 1)
 
 
 _scatter_first = jax.jit(_scatter_body, static_argnames=("sharding", "digest"))
@@ -129,24 +125,18 @@ def scatter_changes(
     if numel >= 2**32 - 1:
         raise ValueError(f"leaf with {numel} elements exceeds the 2**32 - 1 element limit")
     c = chunk or scatter_chunk(numel)
-    rep = _replicated(sharding)
+    chunks = -(-index.size // c)
+    flat = np.full((chunks, c), numel, np.uint32)
+    flat.reshape(-1)[: index.size] = index
+    v = np.zeros((chunks, c), vals.dtype)
+    v.reshape(-1)[: index.size] = vals
+    # One transfer for the whole leaf: a device_put per chunk cost more than its copy.
+    put = jax.device_put([np.bool_(xor), *flat, *v], _replicated(sharding))
+    flag, flats, vs = put[0], put[1 : chunks + 1], put[chunks + 1 :]
     out, deltas = arr, []
-    for k, start in enumerate(range(0, index.size, c)):
-        part = slice(start, start + c)
-        m = index[part].size
-        flat = np.full((c,), numel, np.uint32)
-        flat[:m] = index[part]
-        v = np.zeros((c,), vals.dtype)
-        v[:m] = vals[part]
+    for k in range(chunks):
         fn = _scatter_first if k == 0 else _scatter_more
-        out, d = fn(
-            out,
-            jax.device_put(flat, rep),
-            jax.device_put(v, rep),
-            jax.device_put(np.bool_(xor), rep),
-            sharding=sharding,
-            digest=digest,
-        )
+        out, d = fn(out, flats[k], vs[k], flag, sharding=sharding, digest=digest)
         deltas.append(d)
     if not digest:
         return out, None
@@ -156,12 +146,17 @@ def scatter_changes(
     return out, change
 
 
-@jax.jit
-def _digest(arr):
+@functools.partial(jax.jit, static_argnames="local")
+def _digest_jit(arr, *, local: bool):
     # One program per leaf signature, not a dozen eager ops each with its own cross-device
     # reduction: eager collectives on a sharded leaf, interleaved with the trainer's programs
     # still running asynchronously on other devices, aborted XLA:CPU (SIGABRT) in the tests.
-    return _leaf_digest(to_bits(arr, None))
+    return _leaf_digest(to_bits(arr, None), local=local)
+
+
+def _digest(arr: jax.Array) -> jax.Array:
+    """A held leaf's two digest lanes, computed on device (`mask.leaf_digests`' arithmetic)."""
+    return _digest_jit(arr, local=len(arr.sharding.device_set) == 1)
 
 
 def _replicated(sharding: Sharding) -> Sharding:

@@ -7,7 +7,9 @@ from hypothesis import strategies as st
 
 from sparserl_jax.sync.context import (
     MAX_CUTS,
+    _select_in_word,
     choose_cuts,
+    context_order,
     context_rank,
     context_select,
     entropy_bound,
@@ -53,6 +55,32 @@ def test_context_rank_is_a_stable_sort_by_class_and_select_inverts_it(
     reference = np.argsort(cls, kind="stable")[ordered]
     np.testing.assert_array_equal(context_select(bits, dtype, cuts, ordered), reference)
     np.testing.assert_array_equal(context_rank(bits, dtype, [], index), index)  # flat order
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 300), density=st.floats(0.0, 1.0))
+def test_context_order_sorts_by_class_with_rising_positions(seed, n, density):
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**16, n).astype(np.uint16)
+    cuts = [118, 122, 126, 127]
+    index = np.flatnonzero(rng.random(n) < density)
+    order, pos = context_order(bits, "bfloat16", cuts, index)
+    cls = np.searchsorted(cuts, exponent_key(bits, "bfloat16"), side="right")
+    np.testing.assert_array_equal(order, np.argsort(cls[index], kind="stable"))
+    np.testing.assert_array_equal(pos, sorted_positions(cls, index[order]))
+    assert np.all(np.diff(pos) > 0)  # sorted flat indices: rising in context order
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31), density=st.floats(0.01, 1.0))
+def test_select_in_word_finds_the_kth_set_bit(seed, density):
+    rng = np.random.default_rng(seed)
+    bits = rng.random((500, 64)) < density
+    bits[:, rng.integers(0, 64, 500)] = True  # at least one set bit per word
+    words = np.packbits(bits, axis=1, bitorder="little").view("<u8").reshape(-1)
+    k = (rng.random(500) * bits.sum(axis=1)).astype(np.int64)
+    want = [np.flatnonzero(row)[j] for row, j in zip(bits, k, strict=True)]
+    np.testing.assert_array_equal(_select_in_word(words, k), want)
 
 
 def test_cuts_split_classes_of_different_change_rates():

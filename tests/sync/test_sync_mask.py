@@ -131,6 +131,21 @@ def test_digest_matches_numpy_and_sharding_and_incremental_update():
     assert not np.array_equal(upd, ref)
 
 
+@pytest.mark.parametrize("shape", [(), (7,), (12, 10), (3, 4, 40)])
+def test_receiver_digest_one_device_and_sharded_match_numpy(shape):
+    # `_digest` sums both lanes in one variadic reduction on one device and per lane when
+    # sharded; both must be the digest.
+    from sparserl_jax.sync.receiver import _digest
+
+    bits = np.random.default_rng(3).integers(0, 2**16, shape, dtype=np.uint16)
+    ref = np_digest(bits)
+    x = jnp.asarray(bits).view(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(_digest(x)), ref)
+    if len(shape) == 2:
+        sharded = jax.device_put(x, NamedSharding(_mesh(), P("a", "b")))
+        np.testing.assert_array_equal(np.asarray(_digest(sharded)), ref)
+
+
 def test_digest_detects_swapped_elements():
     bits = np.arange(10, dtype=np.uint16)
     swapped = bits.copy()

@@ -41,7 +41,7 @@ from sparserl_jax.metrics import read_metrics, truncate_metrics
 from sparserl_jax.models import CheckpointError, DenseKVCache, HFTokenizer, from_hf, to_hf
 from sparserl_jax.rl import Learner, LearnerConfig
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine, dense_logprobs
-from sparserl_jax.testing import assert_trees_equal, tiny_model
+from sparserl_jax.testing import assert_trees_equal, child_env, tiny_model
 from sparserl_jax.testing.learner import make_batch
 from sparserl_jax.testing.reference_sampler import generate as reference_generate
 from sparserl_jax.train import train
@@ -318,7 +318,9 @@ SIGNAL_RUN = [
 
 
 def _cli_train(run_dir, stop_at=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", TEST_SIGNAL_ENV)}
+    # The nine runs of one config share a compilation cache beside the run directories.
+    env = child_env(run_dir.parent / "jax_cache")
+    env.pop(TEST_SIGNAL_ENV, None)
     if stop_at is not None:
         env[TEST_SIGNAL_ENV] = stop_at
     cmd = [sys.executable, "-m", "sparserl_jax", "train", TINY, f"run_dir={run_dir}", *SIGNAL_RUN]

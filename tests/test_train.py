@@ -20,7 +20,7 @@ from sparserl_jax.metrics import read_metrics
 from sparserl_jax.rl import Learner
 from sparserl_jax.rollout import RolloutResult
 from sparserl_jax.sampler import step_seeds
-from sparserl_jax.testing import assert_trees_equal
+from sparserl_jax.testing import assert_trees_equal, child_env
 from sparserl_jax.train import rl_batch, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -117,7 +117,7 @@ def _final_state(run_dir, step):
 
 @pytest.mark.slow
 def test_kill9_then_resume_is_bit_identical(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+    env = child_env(tmp_path / "jax_cache")  # one CPU device; the three runs compile once
     common = ["train.steps=8", "train.save_every=2", "train.eval_examples=0", "sft.steps=2"]
     full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
     full = _run(full_dir, *common, env=env)

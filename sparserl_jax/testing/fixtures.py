@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from flax import nnx
@@ -45,3 +47,19 @@ def length_reward(prompt: str, completion: str, answer: str) -> float:
     `data.reward_fn=sparserl_jax.testing.fixtures:length_reward`."""
     del prompt, answer
     return len(completion) / 32.0
+
+
+def child_env(compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
+    """The environment for a `sparserl` child process of a test: one CPU device (no XLA_FLAGS).
+
+    `compile_cache`: a directory for JAX's persistent compilation cache, used unless one is set
+    already (the local test runs share `.jax_cache/`). A chain of runs of one config (stop,
+    resume, compare) then compiles its programs once instead of once per process; a cached
+    executable is the one XLA compiled for the same program, so results are unchanged.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    if compile_cache is not None and "JAX_COMPILATION_CACHE_DIR" not in env:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    return env

@@ -16,12 +16,12 @@ $(STAMP): pyproject.toml
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -n 2 -q -p no:cacheprovider tests
+	$(PY) -m pytest -n 2 --dist worksteal -q -p no:cacheprovider tests
 
 # Everything but the tests marked slow (subprocess and multi-process runs, benchmarks, HF parity,
 # the heaviest compiles): the quick lane while iterating. `make test` still runs them all.
 test-fast: $(STAMP)
-	$(PY) -m pytest -n 2 -q -p no:cacheprovider -m "not slow" tests
+	$(PY) -m pytest -n 2 --dist worksteal -q -p no:cacheprovider -m "not slow" tests
 
 # The kernels compiled ahead of time for TPU v5e / v5p / v6e topologies on this CPU host: Mosaic,
 # not interpret mode (tests/kernels/test_tpu_aot.py). libtpu (~700 MB, the version the installed

@@ -27,9 +27,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # unchanged, and later runs (and children that compile what their parent did) skip XLA.
 # A size cap turns on JAX's file lock, so the xdist workers and child processes sharing the
 # directory never read an entry another is still writing, and keeps the directory bounded.
-# CI (CI=true) runs without it (one run from a fresh clone gains little);
-# SPARSERL_TEST_COMPILATION_CACHE=1/0 forces it on or off.
-_cache = os.environ.get("SPARSERL_TEST_COMPILATION_CACHE", "0" if os.environ.get("CI") else "1")
+# CI runs with it too: from a cold cache one run still gains, since many tests train the same
+# tiny config in-process or in child chains (stop, resume, compare) that would each compile it.
+# SPARSERL_TEST_COMPILATION_CACHE=0 turns it off.
+_cache = os.environ.get("SPARSERL_TEST_COMPILATION_CACHE", "1")
 if _cache == "1":
     os.environ.setdefault(
         "JAX_COMPILATION_CACHE_DIR",
@@ -43,3 +44,11 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests marked slow run first (stable order otherwise): the two workers start on the
+    minutes-long runs while the many short tests are left to fill the gaps, instead of one worker
+    finishing a long run alone at the end."""
+    del config
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

@@ -94,7 +94,7 @@ def test_load_checkpoint_and_generate(tmp_path):
 
 @pytest.mark.slow
 def test_sharded_model():
-    # The block's 46M-parameter model at its sizes costs a minute of compiles and eager sharded
+    # The block's 57M-parameter model at its sizes costs a minute of compiles and eager sharded
     # dispatch on CPU; the mesh, the sharding and the three calls are the same at a smaller one.
     ns = _run(
         _block("from sparserl_jax.models import ModelConfig, Transformer, DenseKVCache"),

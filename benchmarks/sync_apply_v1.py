@@ -18,23 +18,16 @@ from jax.sharding import Sharding
 
 from sparserl_jax.sync import codec
 from sparserl_jax.sync.errors import CorruptPatchError
-from sparserl_jax.sync.mask import element_hash, from_bits, to_bits
+from sparserl_jax.sync.mask import _leaf_digest, from_bits, to_bits
 from sparserl_jax.sync.receiver import Receiver, _replicated
 
 
 @jax.jit
 def _digest(arr):
-    """The leaf digest as the receiver computed it then: one `jnp.sum` per lane over the element
-    hashes (the same values as today's `mask.lane_sums`, which fuses the two lanes). Frozen here
-    so the baseline's figures do not move with the receiver's digest."""
-    bits = to_bits(arr, None)
-    b32 = bits.astype(jnp.uint32)
-    index = jnp.zeros(bits.shape, jnp.uint32)
-    stride = 1
-    for axis in range(bits.ndim - 1, -1, -1):
-        index = index + lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * np.uint32(stride)
-        stride *= bits.shape[axis]
-    return jnp.stack([jnp.sum(element_hash(index, b32, k), dtype=jnp.uint32) for k in range(2)])
+    """The leaf digest as the receiver computed it then: one `jnp.sum` per lane (the sharded path
+    of `mask.lane_sums`; today's receiver fuses both lanes on a single device), so the baseline's
+    figures do not move with the receiver's digest."""
+    return _leaf_digest(to_bits(arr, None), local=False)
 
 
 @functools.partial(jax.jit, static_argnames=("xor", "sharding"))

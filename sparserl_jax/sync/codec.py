@@ -39,6 +39,7 @@ from typing import Literal
 import numpy as np
 
 from sparserl_jax.sync.context import (
+    ContextCache,
     choose_cuts,
     context_order,
     to_line,
@@ -123,8 +124,15 @@ def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig, steps=None)
     return min(cost, key=cost.get)  # ties: the first, "new"
 
 
-def _sparse_v3(s: TensorSpec, ch: LeafChanges, old_bits: np.ndarray, config: CodecConfig):
-    """A format-3 sparse entry's gaps (over context positions) and value streams, in that order."""
+def _sparse_v3(
+    s: TensorSpec,
+    ch: LeafChanges,
+    old_bits: np.ndarray,
+    config: CodecConfig,
+    context: ContextCache | None = None,
+):
+    """A format-3 sparse entry's gaps (over context positions) and value streams, in that order.
+    `context`: the encoder's held class bitmaps (`ContextCache`), used and extended."""
     old_bits = np.asarray(old_bits)
     if old_bits.size != s.numel or old_bits.dtype.itemsize != s.itemsize:
         raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
@@ -132,7 +140,8 @@ def _sparse_v3(s: TensorSpec, ch: LeafChanges, old_bits: np.ndarray, config: Cod
     cuts = choose_cuts(old_bits, ch.old, s.dtype)
     # Within a class positions rise with the (sorted) flat index: context order is a stable
     # sort by class.
-    order, pos = context_order(old_bits, s.dtype, cuts, ch.index)
+    ranges = None if context is None else context.ranges(s.name, old_bits, s.dtype, cuts)
+    order, pos = context_order(old_bits, s.dtype, cuts, ch.index, ranges)
     if cuts:
         ch = LeafChanges(ch.index[order], ch.delta[order], ch.old[order])
     gaps = gaps_of(pos)
@@ -170,6 +179,7 @@ def encode(
     run_id: str | None = None,
     base_digest: str | None = None,
     base_bits: Callable[[str], np.ndarray] | None = None,
+    context: ContextCache | None = None,
 ) -> bytes:
     """Encode one patch (`changes` per leaf) or anchor (`changes=None`: every leaf dense).
 
@@ -178,7 +188,8 @@ def encode(
     context); format-3 patches call it for leaves sent sparse. `leaf_digests` are the per-leaf
     digests of the new published state. `run_id` names the publishing run and `base_digest`
     (patches only) is the `state_digest` of the state the patch applies to; a receiver checks
-    both before decoding (None: not stated).
+    both before decoding (None: not stated). `context`: the publisher's `ContextCache` for the
+    base bits (format 3), so a leaf's classes are not rebuilt from `base_bits` every version.
     """
     if kind == "anchor" and (changes is not None or base_version is not None or base_digest):
         raise ValueError("an anchor has no base_version, base_digest or changes")
@@ -205,7 +216,7 @@ def encode(
             if ch.count * (width + s.itemsize) < s.numel * s.itemsize:
                 sparse = (gaps, width)
         if sparse is not None and fmt >= 3:
-            gaps, mode, vstreams, cuts = _sparse_v3(s, ch, base_bits(s.name), config)
+            gaps, mode, vstreams, cuts = _sparse_v3(s, ch, base_bits(s.name), config, context)
             width = gap_width(int(gaps.max()))
             entry.update(encoding="sparse", nnz=ch.count, gap_width=width, values=mode)
             entry["context"] = cuts

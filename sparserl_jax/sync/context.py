@@ -16,7 +16,8 @@ the old value's exponent (an Adam step of size ~lr flips the bf16 rounding with 
   (`to_line` / `from_line`): most changes are one ulp up or down.
 
 `entropy_bound` is the empirical cost of a patch given the full (leaf, exponent) context, the
-yardstick of the codec.
+yardstick of the codec. `ContextCache` keeps each leaf's class bitmaps across versions on the
+publisher and on each receiver, so a version costs passes over its changes, not over the leaf.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import numpy as np
 
 __all__ = [
     "MAX_CUTS",
+    "ContextCache",
     "choose_cuts",
     "class_mask_bits",
     "class_of",
@@ -123,18 +125,19 @@ class _Ranges:
     compares are the only per-element work: rank and select then cost O(words + changes).
     """
 
-    def __init__(self, old_bits: np.ndarray, dtype: str, cuts: list[int]):
+    def __init__(self, below: np.ndarray, sizes, numel: int):
+        """`below[j]`: the packed `exponent < cuts[j]` words of the leaf (`below_words`),
+        `sizes[j]` their set bits."""
+        self.numel = numel
+        self.below = below  # [cut, word]; padding bits past the leaf are 0
+        self.starts = np.concatenate([[0], np.asarray(sizes, np.int64), [numel]]).astype(np.int64)
+
+    @classmethod
+    def of(cls, old_bits: np.ndarray, dtype: str, cuts: list[int]) -> _Ranges:
+        """The ranges of `old_bits` (one exponent pass, one packed compare per cut)."""
         key = exponent_key(old_bits, dtype)
-        self.numel = key.size
-        nbytes = -(-key.size // 8)
-        below = np.zeros((len(cuts), -(-nbytes // 8) * 8), np.uint8)
-        hit = np.empty(key.size, bool)
-        for j, t in enumerate(cuts):
-            np.less(key, t, out=hit)
-            below[j, :nbytes] = np.packbits(hit, bitorder="little")
-        self.below = below.view("<u8")  # [cut, word]; padding bits past the leaf are 0
-        sizes = np.bitwise_count(self.below).sum(axis=1, dtype=np.int64)
-        self.starts = np.concatenate([[0], sizes, [key.size]]).astype(np.int64)
+        below = np.stack([below_words(key, t) for t in cuts]) if cuts else _no_words(key.size)
+        return cls(below, np.bitwise_count(below).sum(axis=1, dtype=np.int64), key.size)
 
     def class_words(self, j: int) -> tuple[np.ndarray, np.ndarray]:
         """Class j's bitmap words and its members before each word (padding bits past the leaf
@@ -162,6 +165,88 @@ class _Ranges:
         words, before = self.class_words(j)
         w = np.searchsorted(before, r, side="right") - 1  # the word holding the r-th member
         return w * 64 + _select_in_word(words[w], r - before[w])
+
+
+def below_words(key: np.ndarray, cut: int) -> np.ndarray:
+    """`key < cut` packed little-endian into uint64 words (bit j of word w: element 64w + j);
+    the padding bits past the last element are 0."""
+    nbytes = -(-key.size // 8)
+    out = np.zeros(-(-nbytes // 8) * 8, np.uint8)
+    out[:nbytes] = np.packbits(key < cut, bitorder="little")
+    return out.view("<u8")
+
+
+def _no_words(numel: int) -> np.ndarray:
+    return np.zeros((0, -(-numel // 64)), np.uint64)
+
+
+class ContextCache:
+    """Each leaf's packed `exponent < cut` bitmaps, kept across versions on one side of a link.
+
+    Building a leaf's context costs a pass over its old bits per cut (`_Ranges.of`); between two
+    versions only the changed elements can move between classes, so a publisher or receiver that
+    keeps the bitmaps of the cuts it used updates them in O(changes) (`advance`) and rebuilds
+    only a cut it has not held (the encoder picks cuts per version; most repeat). The holder
+    owns the invariant: the bitmaps describe the bits the next patch is coded against. So it
+    calls `advance` with every changed element of a leaf once the version that changed them is
+    committed, and `drop` for a leaf replaced whole (a dense entry, an anchor) or when in doubt;
+    `ranges` only ever adds bitmaps of the bits it is given. At most `max_cuts` bitmaps per leaf
+    (the least recently used go first): up to `max_cuts / 8` bytes per element on the host.
+    """
+
+    def __init__(self, max_cuts: int = MAX_CUTS + 2):
+        self.max_cuts = max_cuts
+        # name -> {cut: [words, set bits, last use]}
+        self._leaves: dict[str, dict[int, list]] = {}
+        self._dtypes: dict[str, str] = {}
+        self._clock = 0
+
+    def ranges(self, name: str, old_bits: np.ndarray, dtype: str, cuts: list[int]) -> _Ranges:
+        """The `_Ranges` of leaf `name` (its current bits: `old_bits`) for `cuts`."""
+        old = old_bits.reshape(-1)
+        if self._dtypes.get(name) != dtype:
+            self.drop(name)
+        held = self._leaves.setdefault(name, {})
+        self._dtypes[name] = dtype
+        self._clock += 1
+        missing = [t for t in cuts if t not in held]
+        if missing:
+            key = exponent_key(old, dtype)
+            for t in missing:
+                words = below_words(key, t)
+                held[t] = [words, int(np.bitwise_count(words).sum(dtype=np.int64)), 0]
+        for t in cuts:
+            held[t][2] = self._clock
+        for t in sorted(held, key=lambda t: held[t][2])[: max(0, len(held) - self.max_cuts)]:
+            del held[t]
+        if not cuts:
+            return _Ranges(_no_words(old.size), [], old.size)
+        return _Ranges(np.stack([held[t][0] for t in cuts]), [held[t][1] for t in cuts], old.size)
+
+    def advance(self, name: str, index: np.ndarray, new_bits: np.ndarray) -> None:
+        """Elements `index` (unique flat indices) of leaf `name` now hold `new_bits`."""
+        held = self._leaves.get(name)
+        if not held or index.size == 0:
+            return
+        key = exponent_key(np.asarray(new_bits), self._dtypes[name])
+        w = index >> 6
+        bit = np.left_shift(np.uint64(1), (index & 63).astype(np.uint64))
+        for t, entry in held.items():
+            words = entry[0]
+            was = (words[w] & bit) != 0
+            flip = was != (key < t)
+            if flip.any():
+                np.bitwise_xor.at(words, w[flip], bit[flip])  # a word may hold several flips
+                entry[1] += int(np.count_nonzero(~was & flip)) - int(np.count_nonzero(was & flip))
+
+    def drop(self, name: str | None = None) -> None:
+        """Forget leaf `name`'s bitmaps (every leaf's when None)."""
+        if name is None:
+            self._leaves.clear()
+            self._dtypes.clear()
+        else:
+            self._leaves.pop(name, None)
+            self._dtypes.pop(name, None)
 
 
 # `2**n - 1` as uint64 for `0 <= n <= 63`: the bits of a word before bit n.
@@ -205,14 +290,19 @@ def class_of(key: np.ndarray, cuts: list[int]) -> np.ndarray:
 
 
 def context_order(
-    old_bits: np.ndarray, dtype: str, cuts: list[int], index: np.ndarray
+    old_bits: np.ndarray,
+    dtype: str,
+    cuts: list[int],
+    index: np.ndarray,
+    ranges: _Ranges | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`(order, pos)`: the stable sort of `index` (unique flat indices) by class, and the
     context positions of `index[order]` (rising when `index` is sorted).
 
     The context order lists the elements of class 0 (old exponent below `cuts[0]`) in flat
     order, then those of class 1, and so on: position = (number of elements in lower classes) +
-    (number in the same class before it). With no cuts the order is the flat order.
+    (number in the same class before it). With no cuts the order is the flat order. `ranges`:
+    the leaf's classes for `cuts` if held (`ContextCache.ranges`), else built from `old_bits`.
     """
     index = np.asarray(index, np.int64)
     if not cuts or index.size == 0:
@@ -221,7 +311,7 @@ def context_order(
     cls = class_of(exponent_key(old[index], dtype), cuts)
     order = np.argsort(cls, kind="stable")  # a radix sort of small ints
     index, cls = index[order], cls[order]
-    ranges = _Ranges(old, dtype, cuts)
+    ranges = ranges if ranges is not None else _Ranges.of(old, dtype, cuts)
     bounds = np.searchsorted(cls, np.arange(len(cuts) + 2)).tolist()
     pos = np.empty(index.size, np.int64)
     for j in range(len(cuts) + 1):
@@ -242,14 +332,18 @@ def context_rank(
 
 
 def context_select(
-    old_bits: np.ndarray, dtype: str, cuts: list[int], pos: np.ndarray
+    old_bits: np.ndarray,
+    dtype: str,
+    cuts: list[int],
+    pos: np.ndarray,
+    ranges: _Ranges | None = None,
 ) -> np.ndarray:
     """The inverse of `context_rank`: flat indices of the elements at context positions `pos`
-    (each in `[0, numel)`)."""
+    (each in `[0, numel)`); `ranges` as in `context_order`."""
     pos = np.asarray(pos, np.int64)
     if not cuts or pos.size == 0:
         return pos.copy()
-    ranges = _Ranges(old_bits, dtype, cuts)
+    ranges = ranges if ranges is not None else _Ranges.of(old_bits, dtype, cuts)
     if pos.size < 2 or not np.any(pos[1:] < pos[:-1]):  # sorted (as decoded): classes are runs
         bounds = np.searchsorted(pos, ranges.starts).tolist()
         groups = [(j, slice(bounds[j], bounds[j + 1])) for j in range(len(bounds) - 1)]

@@ -15,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from sparserl_jax.sync.context import context_select, from_line, to_line
+from sparserl_jax.sync.context import ContextCache, context_select, from_line, to_line
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
 from sparserl_jax.sync.header import (
     FORMAT_VERSION,
@@ -123,14 +123,22 @@ def inflate(frame: bytes, raw: int, what: str, dctx=None) -> bytes:
 
 
 def _sparse_v3_values(
-    s: TensorSpec, pos: np.ndarray, vals: np.ndarray, signs, mode: str, old_full, cuts: list
+    s: TensorSpec,
+    pos: np.ndarray,
+    vals: np.ndarray,
+    signs,
+    mode: str,
+    old_full,
+    cuts: list,
+    context: ContextCache | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Flat-sorted (index, new bits) of a format-3 sparse entry, given the leaf's old bits."""
     old_full = np.asarray(old_full).reshape(-1)
     if old_full.size != s.numel or old_full.dtype.itemsize != s.itemsize:
         raise ValueError(f"base bits of {s.name}: {old_full.shape}/{old_full.dtype} != {s}")
     old_full = old_full.view(uint_dtype(s.itemsize))
-    index = context_select(old_full, s.dtype, cuts, pos)
+    ranges = None if context is None else context.ranges(s.name, old_full, s.dtype, cuts)
+    index = context_select(old_full, s.dtype, cuts, pos, ranges)
     old = old_full[index]
     if mode == "new":
         new = vals
@@ -158,6 +166,7 @@ def decode(
     base: Callable[[str], np.ndarray] | None = None,
     max_header_bytes: int = MAX_HEADER_BYTES,
     max_decoded_bytes: int | None = None,
+    context: ContextCache | None = None,
 ) -> Patch:
     """Parse and fully validate a patch. Nothing is returned unless every check passes.
 
@@ -168,7 +177,8 @@ def decode(
     sorted indices with the *new* bits (`xor=False`). Every size read from the blob is bounded
     before it is used: `header_len` by `max_header_bytes`, each stream's raw size by the
     manifest's shapes (`expect`'s when given), their sum by `max_decoded_bytes` (None: no cap
-    beyond the manifest), each zstd frame's claim by its stream's raw size.
+    beyond the manifest), each zstd frame's claim by its stream's raw size. `context`: the
+    receiver's `ContextCache` for `base`'s bits (format 3), used and extended, never advanced.
     """
     header = read_header(blob, max_header_bytes=max_header_bytes)
     fmt = header["format"]
@@ -267,7 +277,9 @@ def decode(
                 _check(index[-1] < s.numel, f"tensor {s.name}: positions out of [0, {s.numel})")
                 old_full = base(s.name)
                 cuts = entry["context"]  # checked by stream_sizes
-                index, bits = _sparse_v3_values(s, index, vals, signs, mode, old_full, cuts)
+                index, bits = _sparse_v3_values(
+                    s, index, vals, signs, mode, old_full, cuts, context
+                )
                 out[s.name] = TensorPatch(s, "sparse", index=index, bits=bits)
                 continue
             _check(

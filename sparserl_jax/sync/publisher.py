@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparserl_jax.sync import codec
+from sparserl_jax.sync.context import ContextCache
 from sparserl_jax.sync.errors import RunMismatchError, SyncError
 from sparserl_jax.sync.extract import extract_changes, host_bits
 from sparserl_jax.sync.header import check_run_id, new_run_id, read_header
@@ -117,6 +118,8 @@ class Publisher:
         self._treedef = None
         self._sent = None
         self._digests: dict[str, np.ndarray] = {}
+        # Format 3: each leaf's context classes of `_sent`, kept across versions.
+        self._context = ContextCache()
 
     @property
     def sent_bits(self):
@@ -234,9 +237,12 @@ class Publisher:
             base_bits=lambda n: host_bits(old_of[n]),
             leaf_digests=digests,
             config=self.config.codec,
+            context=self._context,
         )
         t3 = time.perf_counter()
         self._sent, self._digests, self.version = new_sent, digests, self.version + 1
+        for n, ch in changes.items():
+            self._context.advance(n, ch.index, ch.new)
         anchor, c3 = None, time.process_time()
         if self.version % self.config.anchor_every == 0:
             anchor = self._anchor()

@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from sparserl_jax.sync import codec
+from sparserl_jax.sync.context import ContextCache
 from sparserl_jax.sync.errors import (
     BaseMismatchError,
     CorruptPatchError,
@@ -218,6 +219,8 @@ class Receiver:
         self.specs: list[codec.TensorSpec] | None = None
         self.arrays: dict[str, jax.Array] = {}
         self._digests: dict[str, np.ndarray] = {}
+        # Format 3: each leaf's context classes of `arrays`, kept across versions.
+        self._context = ContextCache()
         self.state_digest: str | None = None
 
     def sharding_of(self, name: str, shape: tuple[int, ...]) -> Sharding:
@@ -269,6 +272,7 @@ class Receiver:
             base=lambda name: np.asarray(self.arrays[name]),  # format 3 codes against these
             max_header_bytes=self.max_header_bytes,
             max_decoded_bytes=self.max_decoded_bytes,
+            context=self._context,
         )
         specs = [t.spec for t in patch.tensors.values()]
         arrays, changes, dense = dict(self.arrays), {}, []
@@ -310,6 +314,11 @@ class Receiver:
         self.arrays, self._digests, self.specs = arrays, computed, specs
         self.version, self.state_digest = patch.new_version, patch.state_digest
         self.run_id = self.run_id or patch.run_id
+        for name, t in patch.tensors.items():  # the held classes follow the new bits
+            if t.encoding == "sparse" and not t.xor:
+                self._context.advance(name, t.index, t.bits)
+            elif t.encoding != "unchanged":  # dense, or XOR values (format 2): rebuilt on use
+                self._context.drop(name)
         return patch.new_version
 
     def sync(self, transport: Transport, target: int | None = None) -> list[ApplyEvent]:

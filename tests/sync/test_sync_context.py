@@ -7,6 +7,8 @@ from hypothesis import strategies as st
 
 from sparserl_jax.sync.context import (
     MAX_CUTS,
+    ContextCache,
+    _Ranges,
     _select_in_word,
     choose_cuts,
     context_order,
@@ -55,6 +57,46 @@ def test_context_rank_is_a_stable_sort_by_class_and_select_inverts_it(
     reference = np.argsort(cls, kind="stable")[ordered]
     np.testing.assert_array_equal(context_select(bits, dtype, cuts, ordered), reference)
     np.testing.assert_array_equal(context_rank(bits, dtype, [], index), index)  # flat order
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from(sorted(FLOATS)),
+    n=st.integers(1, 300),
+    versions=st.integers(1, 8),
+    max_cuts=st.integers(MAX_CUTS, MAX_CUTS + 3),
+    seed=st.integers(0, 2**31),
+    data=st.data(),
+)
+def test_context_cache_advanced_each_version_equals_a_rebuild(
+    dtype, n, versions, max_cuts, seed, data
+):
+    """Held bitmaps, advanced by each version's changes, are the classes rebuilt from the bits,
+    whatever cuts each version picks; the cache never holds more than `max_cuts` per leaf."""
+    rng = np.random.default_rng(seed)
+    size = FLOATS[dtype]
+    bits = rng.integers(0, 2 ** (8 * size), n, dtype=np.uint64).astype(f"<u{size}")
+    top = max_exponent(dtype)
+    cache = ContextCache(max_cuts=max_cuts)
+    for _ in range(versions):
+        cuts = sorted(data.draw(st.sets(st.integers(1, top), max_size=MAX_CUTS)))
+        got, want = cache.ranges("w", bits, dtype, cuts), _Ranges.of(bits, dtype, cuts)
+        np.testing.assert_array_equal(got.below, want.below)
+        np.testing.assert_array_equal(got.starts, want.starts)
+        index = context_rank(bits, dtype, cuts, np.arange(0, n, 3))
+        ordered = np.sort(index)
+        np.testing.assert_array_equal(
+            context_select(bits, dtype, cuts, ordered, got),
+            context_select(bits, dtype, cuts, ordered),
+        )
+        assert len(cache._leaves["w"]) <= max_cuts
+        changed = np.flatnonzero(rng.random(n) < rng.random())  # sorted, unique
+        new = rng.integers(0, 2 ** (8 * size), changed.size, dtype=np.uint64).astype(bits.dtype)
+        cache.advance("w", changed, new)
+        bits = bits.copy()
+        bits[changed] = new
+    cache.drop("w")
+    assert "w" not in cache._leaves
 
 
 @settings(max_examples=40, deadline=None)

@@ -45,6 +45,7 @@ from sparserl_jax.sync import (
     to_bits,
 )
 from sparserl_jax.sync import receiver as receiver_module
+from sparserl_jax.sync.context import ContextCache
 from sparserl_jax.sync.header import PREFIX_BYTES, pack_header, read_header
 from sparserl_jax.testing.sync import np_digest
 from sparserl_jax.train import train
@@ -619,3 +620,47 @@ def test_trainer_checkpoints_its_run_id_and_keeps_it_on_resume(tmp_path):
     assert len(set(ids.values())) == 1, ids  # step 0, the first run's step 1, the resumed step 2
     Publisher(run_id=ids[0])  # a valid run id
     assert [metas[s]["sync_version"] for s in (0, 1, 2)] == [0, 1, 2]
+
+
+# --- format 3's held context: the same bytes as rebuilding it, on both sides ------------------
+
+
+def test_held_context_changes_no_byte_and_survives_a_refused_patch():
+    """Publisher and receiver keep each leaf's class bitmaps across versions (`ContextCache`).
+    A publisher that rebuilds them every version writes the same bytes; a receiver that holds
+    them applies every patch bit-identically, also after refusing a damaged one."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 96)).astype(np.float32) * 0.02
+    trees = []
+    for _ in range(10):  # nudges, plus some elements scaled across exponents (classes move)
+        w = w - 1e-4 * np.sign(w) * (rng.random(w.shape) < 0.3)
+        w = np.where(rng.random(w.shape) < 0.02, w * rng.choice([0.3, 3.0], w.shape), w)
+        trees.append({"w": jnp.asarray(w), "b": jnp.asarray(w[0, :6] * 10)})
+    config = SyncConfig(anchor_every=100, codec=CodecConfig(format=3))
+    held, fresh = InProcessTransport(), InProcessTransport()
+    pub = Publisher(held, config=config, run_id="held")
+    ref = Publisher(fresh, config=config, run_id="held")
+    for m in trees:
+        pub.publish(m)
+        ref._context = ContextCache()  # nothing held: rebuilt from the bits every version
+        ref.publish(m)
+    for v in range(1, len(trees)):
+        assert held.get(v, "patch") == fresh.get(v, "patch"), v
+    assert any(pub._context._leaves.values())  # the held path was taken
+
+    rc = Receiver(sharding)
+    rc.apply(held.get(0, "anchor"))
+    pub2 = Publisher(config=config)
+    for v, m in enumerate(trees):
+        pub2.publish(m)
+        if v == 0:
+            continue
+        blob = held.get(v, "patch")
+        if v == 4:
+            bad = bytearray(blob)
+            bad[-5] ^= 0x40
+            with pytest.raises(SyncError):
+                rc.apply(bytes(bad))
+        rc.apply(blob)
+        assert_bits(rc, sent(pub2))
+    assert any(rc._context._leaves.values())

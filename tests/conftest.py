@@ -6,6 +6,7 @@ at import), so this runs at import time; as environment variables they also reac
 processes that tests spawn (`sparserl` runs, multi-process and benchmark children).
 """
 
+import itertools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "")
@@ -27,10 +28,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # unchanged, and later runs (and children that compile what their parent did) skip XLA.
 # A size cap turns on JAX's file lock, so the xdist workers and child processes sharing the
 # directory never read an entry another is still writing, and keeps the directory bounded.
-# CI runs with it too: from a cold cache one run still gains, since many tests train the same
-# tiny config in-process or in child chains (stop, resume, compare) that would each compile it.
-# SPARSERL_TEST_COMPILATION_CACHE=0 turns it off.
-_cache = os.environ.get("SPARSERL_TEST_COMPILATION_CACHE", "1")
+# CI (CI=true) runs without it: with a size cap JAX rescans the whole directory on every write
+# (`lru_cache._evict_if_needed`), under the lock, so a cold run that writes thousands of small
+# programs slows down quadratically (compile-heavy tests ran 3-5x slower in a full CI-mode run).
+# The chains of `sparserl` runs still share a private cache each (`testing.child_env`).
+# SPARSERL_TEST_COMPILATION_CACHE=1/0 forces it on or off.
+_cache = os.environ.get("SPARSERL_TEST_COMPILATION_CACHE", "0" if os.environ.get("CI") else "1")
 if _cache == "1":
     os.environ.setdefault(
         "JAX_COMPILATION_CACHE_DIR",
@@ -47,8 +50,21 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests marked slow run first (stable order otherwise): the two workers start on the
-    minutes-long runs while the many short tests are left to fill the gaps, instead of one worker
-    finishing a long run alone at the end."""
-    del config
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Deal the tests marked slow out to the front of every xdist worker's share.
+
+    `--dist worksteal` first hands worker k the k-th of `workercount` contiguous chunks of the
+    collection (chunk sizes as below) and later moves tests from the back of a busy worker's
+    queue to an idle one. So each chunk here starts with every `workercount`-th slow test and
+    is filled up with fast ones: the minutes-long runs start at once on every worker and the
+    short tests fill the gaps, instead of one worker finishing a long run alone at the end.
+    """
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    fast = iter([item for item in items if not item.get_closest_marker("slow")])
+    ordered, left = [], len(items)
+    for k in range(workers):
+        size = left // (workers - k)
+        left -= size
+        mine = slow[k::workers]
+        ordered += mine + list(itertools.islice(fast, max(0, size - len(mine))))
+    items[:] = ordered + list(fast)

@@ -26,7 +26,7 @@ from sparserl_jax.decoupled.sampler_job import GAVE_UP, run_sampler
 from sparserl_jax.decoupled.trainer import run_trainer
 from sparserl_jax.metrics import read_metrics
 from sparserl_jax.rl import Learner
-from sparserl_jax.testing import assert_trees_equal
+from sparserl_jax.testing import assert_trees_equal, child_env
 from sparserl_jax.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,14 +100,10 @@ def test_staleness_zero_equals_sparserl_train_bit_for_bit(tmp_path):
     assert all(r["critic/score/std"] > 0 for r in rb)  # the rollouts did steer the updates
 
 
-def _env():
-    return {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device each
-
-
 def _spawn(*args, log: Path):
     cmd = [sys.executable, "-m", "sparserl_jax", *args]
     with log.open("ab") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
 
 
 def _wait_for(cond, proc, what, timeout=600):

@@ -204,6 +204,8 @@ class ContextCache:
     def ranges(self, name: str, old_bits: np.ndarray, dtype: str, cuts: list[int]) -> _Ranges:
         """The `_Ranges` of leaf `name` (its current bits: `old_bits`) for `cuts`."""
         old = old_bits.reshape(-1)
+        if not cuts:  # flat order: no classes to hold
+            return _Ranges(_no_words(old.size), [], old.size)
         if self._dtypes.get(name) != dtype:
             self.drop(name)
         held = self._leaves.setdefault(name, {})
@@ -219,8 +221,6 @@ class ContextCache:
             held[t][2] = self._clock
         for t in sorted(held, key=lambda t: held[t][2])[: max(0, len(held) - self.max_cuts)]:
             del held[t]
-        if not cuts:
-            return _Ranges(_no_words(old.size), [], old.size)
         return _Ranges(np.stack([held[t][0] for t in cuts]), [held[t][1] for t in cuts], old.size)
 
     def advance(self, name: str, index: np.ndarray, new_bits: np.ndarray) -> None:

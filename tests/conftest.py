@@ -25,28 +25,46 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # A cached executable is the one XLA compiled for the same HLO, flags and devices: results are
-# unchanged, and later runs (and children that compile what their parent did) skip XLA.
-# A size cap turns on JAX's file lock, so the xdist workers and child processes sharing the
-# directory never read an entry another is still writing, and keeps the directory bounded.
-# CI (CI=true) runs without it: with a size cap JAX rescans the whole directory on every write
-# (`lru_cache._evict_if_needed`), under the lock, so a cold run that writes thousands of small
-# programs slows down quadratically (compile-heavy tests ran 3-5x slower in a full CI-mode run).
-# The chains of `sparserl` runs still share a private cache each (`testing.child_env`).
-# SPARSERL_TEST_COMPILATION_CACHE=1/0 forces it on or off.
-_cache = os.environ.get("SPARSERL_TEST_COMPILATION_CACHE", "0" if os.environ.get("CI") else "1")
-if _cache == "1":
-    os.environ.setdefault(
-        "JAX_COMPILATION_CACHE_DIR",
-        os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache"),
-    )
+# unchanged, and a test that compiles what an earlier one did (the chains of `sparserl` runs,
+# which read it through their environment too; in-process runs of one config) skips XLA.
+# No size cap: with one JAX takes a file lock around every read and write and rescans the whole
+# directory on every write (`lru_cache._evict_if_needed`), so a cold run, which writes thousands
+# of programs, slowed down quadratically (compile-heavy tests ran 3-5x slower in a full CI-mode
+# run). Uncapped, an entry is one plain file write; a reader that meets an entry still being
+# written fails to decompress it, warns and compiles (`compiler._cache_read`). The directory is
+# bounded instead by `_prune_cache` once per session. SPARSERL_TEST_COMPILATION_CACHE=0 turns
+# it off.
+CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".jax_cache")
+CACHE_KEEP_BYTES = 2 << 30
+if os.environ.get("SPARSERL_TEST_COMPILATION_CACHE", "1") == "1":
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", CACHE_DIR)
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
-    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(2 << 30))
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", "-1")
 
 import jax  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _prune_cache(directory: str, keep_bytes: int) -> None:
+    """Delete the least recently written entries of `directory` until it holds `keep_bytes`."""
+    try:
+        entries = [e for e in os.scandir(directory) if e.is_file()]
+    except FileNotFoundError:
+        return
+    stats = sorted(((e.stat().st_mtime, e.stat().st_size, e.path) for e in entries), reverse=True)
+    total = 0
+    for _, size, path in stats:
+        total += size
+        if total > keep_bytes:
+            os.remove(path)
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # once, in the controller
+        _prune_cache(CACHE_DIR, CACHE_KEEP_BYTES)
 
 
 def pytest_collection_modifyitems(config, items):

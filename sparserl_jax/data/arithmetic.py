@@ -147,6 +147,13 @@ def solve(a: int, op: str, b: int, *, scratchpad: str = "columns") -> tuple[int,
     return result, "\n" + "\n".join([*lines, f"answer: {result}"])
 
 
+def longest_arithmetic_prompt(cfg: ArithmeticConfig) -> int:
+    """An upper bound on the characters of any prompt `a<op>b=` of `cfg`: `b` has at most
+    `max_digits` digits, `a` too except for `/`, where `a = b * q` has up to twice as many."""
+    a_digits = cfg.max_digits * (2 if "/" in cfg.operators else 1)
+    return a_digits + 1 + cfg.max_digits + 1
+
+
 def make_arithmetic_example(cfg: ArithmeticConfig, *, seed: int, split: str, index: int) -> Example:
     """Problem `index` of `split`: a pure function of `(seed, split, index)`."""
     rng = np.random.default_rng([seed, split_id(split), index])

@@ -178,6 +178,14 @@ def _random_solution(
     return int(value), expr
 
 
+def longest_countdown_prompt(cfg: CountdownConfig) -> int:
+    """An upper bound on the characters of any prompt `Use <numbers> to make <target>.` of
+    `cfg`: at most `max_numbers` numbers of at most `max_number`, a target of at most
+    `max_target` (the fallback target, a given number, is no longer)."""
+    numbers = cfg.max_numbers * len(str(cfg.max_number)) + cfg.max_numbers - 1
+    return len("Use ") + numbers + len(" to make ") + len(str(cfg.max_target)) + len(".")
+
+
 def make_countdown_example(cfg: CountdownConfig, *, seed: int, split: str, index: int) -> Example:
     """Problem `index` of `split`: a pure function of `(seed, split, index)`."""
     rng = np.random.default_rng([seed, split_id(split), index])

@@ -26,9 +26,9 @@ import grain
 import numpy as np
 from jaxtyping import Bool, Int
 
-from sparserl_jax.data.arithmetic import make_arithmetic_example
+from sparserl_jax.data.arithmetic import longest_arithmetic_prompt, make_arithmetic_example
 from sparserl_jax.data.config import DataConfig
-from sparserl_jax.data.countdown import make_countdown_example
+from sparserl_jax.data.countdown import longest_countdown_prompt, make_countdown_example
 from sparserl_jax.data.files import load_file_examples
 from sparserl_jax.data.records import DataError, Example, LoadReport, PromptBatch, make_batch
 
@@ -49,6 +49,13 @@ class PromptLimit:
 
     def length(self, example: Example) -> int:
         return len(self.tokenizer.encode(example.prompt, add_bos=self.add_bos))
+
+    def fits(self, num_chars: int | None) -> bool:
+        """Whether every prompt of at most `num_chars` characters (None: unknown) surely fits,
+        from the tokenizer's bound alone (`max_tokens`; False when it has none)."""
+        max_tokens = getattr(self.tokenizer, "max_tokens", None)
+        bound = None if num_chars is None or max_tokens is None else max_tokens(num_chars)
+        return bound is not None and bound + int(self.add_bos) <= self.max_len
 
 
 def _long_prompts(long: list[tuple[Example, int]], read: int, cfg, limit, split: str) -> None:
@@ -104,9 +111,21 @@ def example_source(
 ) -> tuple[grain.MapDataset, LoadReport]:
     """All examples of `split` as a random-access `grain.MapDataset[Example]`, and the load
     report (empty for the generated tasks). With `limit`, prompts longer than it are left out
-    or refused (`data.long_prompts`)."""
+    or refused (`data.long_prompts`); every prompt is read for that, unless the task's longest
+    possible prompt surely fits (a generated task and a tokenizer with `max_tokens`)."""
     ds, report = _all_examples(cfg, split)
-    return (ds if limit is None else _fitting(ds, cfg, limit, split)), report
+    if limit is None or limit.fits(_longest_prompt(cfg)):
+        return ds, report  # a generated task whose longest possible prompt fits: nothing to read
+    return _fitting(ds, cfg, limit, split), report
+
+
+def _longest_prompt(cfg: DataConfig) -> int | None:
+    """An upper bound on the characters of a generated task's prompts (None for files)."""
+    if cfg.task == "arithmetic":
+        return longest_arithmetic_prompt(cfg.arithmetic)
+    if cfg.task == "countdown":
+        return longest_countdown_prompt(cfg.countdown)
+    return None
 
 
 def _all_examples(cfg: DataConfig, split: str) -> tuple[grain.MapDataset, LoadReport]:

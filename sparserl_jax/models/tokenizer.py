@@ -1,7 +1,7 @@
 """Tokenizers: a local Hugging Face `tokenizer.json`, and a character tokenizer for synthetic tasks.
 
 Both expose the same small surface: `encode`, `decode`, `vocab_size`, `bos_id`, `eos_ids`,
-`pad_id`.
+`pad_id`, and `max_tokens(num_chars)` (a bound from a text's length, or None).
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class CharTokenizer:
     def encode(self, text: str, *, add_bos: bool = False, add_eos: bool = False) -> list[int]:
         ids = [self._to_id.get(c, self.unk_id) for c in text]
         return ([self.bos_id] if add_bos else []) + ids + ([self.eos_id] if add_eos else [])
+
+    def max_tokens(self, num_chars: int) -> int | None:
+        """The most tokens (no BOS/EOS) a text of `num_chars` characters encodes to: one each."""
+        return num_chars
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         out = []
@@ -144,6 +148,11 @@ class HFTokenizer:
                 raise ValueError("this tokenizer has no bos token")
             ids = [self.bos_id] + ids
         return ids + ([self.eos_id] if add_eos else [])
+
+    def max_tokens(self, num_chars: int) -> int | None:
+        """None: a bound from the length alone is not claimed for an arbitrary tokenizer (a
+        normalizer or template may add tokens), so callers measure each text."""
+        return None
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special)

@@ -1,22 +1,30 @@
 """grain pipelines: resume equals uninterrupted, determinism, epochs, shards, SFT batches."""
 
 import collections
+import dataclasses
 import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sparserl_jax.data import (
     ArithmeticConfig,
+    CountdownConfig,
     DataConfig,
     DataError,
     PromptBatch,
     encode_prompts,
     eval_examples,
+    pipeline,
     prompt_iterator,
     sft_batch,
     sft_pairs,
 )
+from sparserl_jax.data.arithmetic import longest_arithmetic_prompt, make_arithmetic_example
+from sparserl_jax.data.countdown import longest_countdown_prompt, make_countdown_example
+from sparserl_jax.data.pipeline import PromptLimit
 from sparserl_jax.models import CharTokenizer
 
 
@@ -165,3 +173,110 @@ def test_prompt_batches_hold_every_row_once_per_epoch(tmp_path):
     cfg = DataConfig(task="gsm8k", path=path, batch_size=3, num_epochs=3, seed=9)
     counts = collections.Counter(i for b in prompt_iterator(cfg) for i in b.indices)
     assert counts == {i: 3 for i in range(6)}
+
+
+# -- the longest possible prompt of a generated task ---------------------------------------------
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    min_digits=st.integers(1, 4),
+    extra=st.integers(0, 3),
+    operators=st.sets(st.sampled_from("+-*/"), min_size=1).map(lambda s: "".join(sorted(s))),
+    seed=st.integers(0, 2**16),
+)
+def test_longest_arithmetic_prompt_bounds_every_prompt(min_digits, extra, operators, seed):
+    cfg = ArithmeticConfig(
+        min_digits=min_digits, max_digits=min_digits + extra, operators=tuple(operators)
+    )
+    bound = longest_arithmetic_prompt(cfg)
+    lengths = [
+        len(make_arithmetic_example(cfg, seed=seed, split="train", index=i).prompt)
+        for i in range(200)
+    ]
+    assert max(lengths) <= bound
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    min_numbers=st.integers(2, 5),
+    extra=st.integers(0, 3),
+    max_number=st.integers(2, 300),
+    target_extra=st.integers(0, 5000),
+    seed=st.integers(0, 2**16),
+)
+def test_longest_countdown_prompt_bounds_every_prompt(
+    min_numbers, extra, max_number, target_extra, seed
+):
+    cfg = CountdownConfig(
+        min_numbers=min_numbers,
+        max_numbers=min_numbers + extra,
+        max_number=max_number,
+        max_target=max_number + target_extra,
+    )
+    bound = longest_countdown_prompt(cfg)
+    lengths = [
+        len(make_countdown_example(cfg, seed=seed, split="train", index=i).prompt)
+        for i in range(60)
+    ]
+    assert max(lengths) <= bound
+
+
+def test_bounds_are_reached():
+    """Tight where the draws can reach them: all-9 operands, a full set of large numbers."""
+    cfg = ArithmeticConfig(min_digits=1, max_digits=1, operators=("+", "/"))
+    longest = max(
+        len(make_arithmetic_example(cfg, seed=0, split="train", index=i).prompt) for i in range(400)
+    )
+    assert longest == longest_arithmetic_prompt(cfg) == len("81/9=")
+    cfg = CountdownConfig(min_numbers=2, max_numbers=2, max_number=9, max_target=9)
+    longest = max(
+        len(make_countdown_example(cfg, seed=0, split="train", index=i).prompt) for i in range(100)
+    )
+    assert longest == longest_countdown_prompt(cfg) == len("Use 9 9 to make 9.")
+
+
+def test_prompt_pass_skipped_only_when_the_bound_fits(monkeypatch):
+    """A generated task whose longest possible prompt fits is not read at start-up (the
+    character tokenizer's bound: one token per character), and its batches are the unfiltered
+    ones; one whose bound does not fit, or a tokenizer without a bound, is read prompt by
+    prompt as before."""
+    calls = collections.Counter()
+    real = pipeline._fitting
+
+    def counting(*args, **kwargs):
+        calls["pass"] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(pipeline, "_fitting", counting)
+    cfg = DataConfig(task="arithmetic", batch_size=4, arithmetic=ArithmeticConfig(max_digits=2))
+    tok = CharTokenizer()
+    bound = longest_arithmetic_prompt(cfg.arithmetic) + 1  # with the BOS
+    assert not PromptLimit(tok, bound - 1).fits(bound - 1) and PromptLimit(tok, bound).fits(
+        bound - 1
+    )
+    plain = _take(prompt_iterator(cfg), 3)
+
+    got = _take(prompt_iterator(cfg, limit=PromptLimit(tok, bound)), 3)
+    assert calls["pass"] == 0 and [b.answers for b in got] == [b.answers for b in plain]
+
+    # One short of the bound: every prompt is read, and those of the longest kind are left out.
+    got = _take(prompt_iterator(cfg, limit=PromptLimit(tok, bound - 1)), 3)
+    assert calls["pass"] == 1
+    assert all(len(tok.encode(p, add_bos=True)) <= bound - 1 for b in got for p in b.prompts)
+
+    class NoBound:  # a tokenizer that claims no bound (as HFTokenizer)
+        def encode(self, text, *, add_bos=False):
+            return tok.encode(text, add_bos=add_bos)
+
+        def max_tokens(self, num_chars):
+            return None
+
+    got = _take(prompt_iterator(cfg, limit=PromptLimit(NoBound(), 64)), 3)
+    assert calls["pass"] == 2 and [b.answers for b in got] == [b.answers for b in plain]
+    # Too short for some prompts: the pass finds and names them, as for a file.
+    with pytest.raises(
+        DataError, match=r"train prompt arithmetic/train#0 .* is 7 tokens, more than"
+    ):
+        prompt_iterator(dataclasses.replace(cfg, long_prompts="error"), limit=PromptLimit(tok, 4))
+    assert calls["pass"] == 3

@@ -53,7 +53,7 @@ def child_env(compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
     """The environment for a `sparserl` child process of a test: one CPU device (no XLA_FLAGS).
 
     `compile_cache`: a directory for JAX's persistent compilation cache, used unless one is set
-    already (the local test runs share `.jax_cache/`). A chain of runs of one config (stop,
+    already (the test runs share `.jax_cache/` unless `SPARSERL_TEST_COMPILATION_CACHE=0`). A chain of runs of one config (stop,
     resume, compare) then compiles its programs once instead of once per process; a cached
     executable is the one XLA compiled for the same program, so results are unchanged.
     """

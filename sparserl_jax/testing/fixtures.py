@@ -53,9 +53,10 @@ def child_env(compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
     """The environment for a `sparserl` child process of a test: one CPU device (no XLA_FLAGS).
 
     `compile_cache`: a directory for JAX's persistent compilation cache, used unless one is set
-    already (the test runs share `.jax_cache/` unless `SPARSERL_TEST_COMPILATION_CACHE=0`). A chain of runs of one config (stop,
-    resume, compare) then compiles its programs once instead of once per process; a cached
-    executable is the one XLA compiled for the same program, so results are unchanged.
+    already (the test runs share `.jax_cache/` unless `SPARSERL_TEST_COMPILATION_CACHE=0`). A
+    chain of runs of one config (stop, resume, compare) then compiles its programs once instead
+    of once per process; a cached executable is the one XLA compiled for the same program, so
+    results are unchanged.
     """
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     if compile_cache is not None and "JAX_COMPILATION_CACHE_DIR" not in env:

@@ -53,6 +53,25 @@ from sparserl_jax.sync.transport import Transport
 # chunks update that copy in place (donated): two programs per leaf signature.
 MIN_CHUNK = 1 << 12
 MAX_CHUNK = 1 << 20
+# Programs dispatched per leaf (scatters, digests) are waited on every `PACE`-th: XLA:CPU admits
+# 32 programs per device at a time, and a launch past that blocks a thread of the pool that also
+# runs the devices' programs, so on 8 (fake) devices an all-reduce then waited forever for
+# participants with no thread left (a model of ~30 leaves hung `Receiver.apply` in the tests;
+# 64 sharded digests in flight hang every time). On GPU/TPU it is one host wait per PACE leaves.
+PACE = 16
+
+
+class _Pacer:
+    """Counts dispatched results and blocks on every `PACE`-th, bounding the programs in flight."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, x):
+        self.count += 1
+        if self.count % PACE == 0:
+            jax.block_until_ready(x)
+        return x
 
 
 def scatter_chunk(numel: int) -> int:
@@ -114,14 +133,17 @@ def scatter_changes(
     sharding: Sharding,
     chunk: int | None = None,
     digest: bool = True,
+    pace: _Pacer | None = None,
 ) -> tuple[jax.Array, np.ndarray | None]:
     """A new array equal to `arr` with the bits at sorted flat `index` set to `vals` (or XORed).
 
     Returns it with the change of the leaf digest (two uint32 lanes; None unless `digest`),
     computed on device from the old and the written bits: `digest(new) = digest(arr) + change`
     (mod 2**32). `arr` itself is left as it was. The scatter runs in chunks of `chunk` entries
-    (default `scatter_chunk`).
+    (default `scatter_chunk`); `pace` (shared by the leaves of one apply) bounds the chunks in
+    flight.
     """
+    pace = pace or _Pacer()
     numel = int(np.prod(arr.shape, dtype=np.int64))
     if numel >= 2**32 - 1:
         raise ValueError(f"leaf with {numel} elements exceeds the 2**32 - 1 element limit")
@@ -137,7 +159,7 @@ def scatter_changes(
     out, deltas = arr, []
     for k in range(chunks):
         fn = _scatter_first if k == 0 else _scatter_more
-        out, d = fn(out, flats[k], vs[k], flag, sharding=sharding, digest=digest)
+        out, d = pace(fn(out, flats[k], vs[k], flag, sharding=sharding, digest=digest))
         deltas.append(d)
     if not digest:
         return out, None
@@ -275,7 +297,7 @@ class Receiver:
             context=self._context,
         )
         specs = [t.spec for t in patch.tensors.values()]
-        arrays, changes, dense = dict(self.arrays), {}, []
+        arrays, changes, dense, pace = dict(self.arrays), {}, [], _Pacer()
         for name, t in patch.tensors.items():
             if t.encoding == "unchanged":
                 continue
@@ -293,6 +315,7 @@ class Receiver:
                 xor=t.xor,
                 sharding=sharding,
                 digest=self.verify == "touched",
+                pace=pace,
             )
         if self.verify == "all":
             names = [s.name for s in specs]
@@ -303,7 +326,7 @@ class Receiver:
             for name, change in changes.items():
                 computed[name] = computed[name] + change  # uint32 lanes wrap, as the digest
         recompute = names if self.verify == "all" else dense
-        pending = {n: _digest(arrays[n]) for n in recompute}  # dispatched together, then read
+        pending = {n: pace(_digest(arrays[n])) for n in recompute}  # dispatched, then read
         computed.update({k: np.asarray(v, np.uint32) for k, v in pending.items()})
         bad = [n for n in names if not np.array_equal(computed[n], patch.leaf_digests[n])]
         if bad or codec.state_digest(specs, computed) != patch.state_digest:

@@ -149,3 +149,28 @@ def test_verify_modes_refuse_a_corrupted_base(verify, where):
     assert rc.version == 1
     for k, v in rc.arrays.items():
         np.testing.assert_array_equal(np.asarray(to_bits(v, None)), held[k])
+
+
+@pytest.mark.parametrize("verify", ["all", "touched"])
+def test_many_sharded_leaves_apply_without_a_collective_deadlock(verify):
+    """A model of 96 leaves, each sharded over the 8 fake devices: applying the anchor and a patch
+    touching every leaf dispatches a scatter and a digest (an all-reduce) per leaf. XLA:CPU admits
+    32 programs per device at a time, and a launch past that blocks a thread of the pool that also
+    runs the devices' collectives: 64 such programs in flight never finished (the all-reduce waited
+    for participants with no thread left). The receiver waits on every few results instead."""
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    rng = np.random.default_rng(0)
+    master = {f"l{i:02d}": rng.standard_normal((8, 16)).astype(np.float32) for i in range(96)}
+    tr = InProcessTransport()
+    pub = Publisher(tr)
+    pub.publish({k: jax.device_put(v, sharding) for k, v in master.items()})
+    for v in master.values():
+        v[rng.integers(8), rng.integers(16)] *= 1.5  # one element of every leaf changes
+    out = pub.publish({k: jax.device_put(v, sharding) for k, v in master.items()})
+    assert len(out.changed) == 96
+    rc = Receiver(lambda n, s: sharding, verify=verify)
+    rc.sync(tr, target=1)
+    for name, sent in zip(pub.names, jax.tree.leaves(pub.sent_bits), strict=True):
+        np.testing.assert_array_equal(np.asarray(to_bits(rc.arrays[name], None)), sent)
+    assert rc.version == 1 and rc.state_digest == pub.state_digest

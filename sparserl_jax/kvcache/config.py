@@ -42,6 +42,9 @@ class AdaptiveBudgetConfig:
       max_budget: the highest budget (tokens); None: the rollout's whole length
         (`max_prompt_len + max_new_tokens`, where nothing is ever evicted).
       levels: the most rungs on the ladder (min and max included).
+      backoff: a lowering whose rung falls below `target` within `patience` steps multiplies the
+        wait before the next lowering by this (1: never; `kvcache.adaptive`'s docstring).
+      max_patience: the longest wait, in steps above the band, that the backoff reaches.
     """
 
     enabled: bool = False
@@ -51,6 +54,8 @@ class AdaptiveBudgetConfig:
     min_budget: int | None = None
     max_budget: int | None = None
     levels: int = 6
+    backoff: int = 2
+    max_patience: int = 32
 
     def __post_init__(self):
         if not 0 < self.target <= 1:
@@ -63,6 +68,13 @@ class AdaptiveBudgetConfig:
             raise ValueError(f"adaptive.patience must be >= 1, got {self.patience}")
         if self.levels < 2:
             raise ValueError(f"adaptive.levels must be >= 2, got {self.levels}")
+        if self.backoff < 1:
+            raise ValueError(f"adaptive.backoff must be >= 1 (1: no backoff), got {self.backoff}")
+        if self.max_patience < self.patience:
+            raise ValueError(
+                f"adaptive.max_patience ({self.max_patience}) must be >= adaptive.patience "
+                f"({self.patience})"
+            )
         lo, hi = self.min_budget, self.max_budget
         if lo is not None and hi is not None and not lo < hi:
             raise ValueError(f"adaptive needs min_budget < max_budget, got [{lo}, {hi}]")

@@ -20,8 +20,15 @@ from sparserl_jax.testing import tiny_model
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
 
-def controller(patience=2):
-    return BudgetController((16, 32, 48, 64), target=0.86, margin=0.05, patience=patience)
+def controller(patience=2, backoff=2, max_patience=32):
+    return BudgetController(
+        (16, 32, 48, 64),
+        target=0.86,
+        margin=0.05,
+        patience=patience,
+        backoff=backoff,
+        max_patience=max_patience,
+    )
 
 
 def test_raise_at_once_below_target():
@@ -37,8 +44,44 @@ def test_lower_after_patience_above_the_band():
     c = controller(patience=2)
     s = c.update(BudgetState(48, 0), 0.95)
     assert s == BudgetState(48, 1)  # one step above: wait
-    assert c.update(s, 0.95) == BudgetState(32, 0)  # two in a row: one rung down
-    assert controller(patience=1).update(BudgetState(48, 0), 0.95) == BudgetState(32, 0)
+    # Two in a row: one rung down, and the rung below is on trial for `patience` steps.
+    assert c.update(s, 0.95) == BudgetState(32, 0, trial=2)
+    assert controller(patience=1).update(BudgetState(48, 0), 0.95) == BudgetState(32, 0, trial=1)
+
+
+def _walk(c, state, p5_of_budget, steps):
+    budgets = []
+    for _ in range(steps):
+        budgets.append(state.budget)
+        state = c.update(state, p5_of_budget(state.budget))
+    return budgets, state
+
+
+def test_failed_probes_back_off_geometrically():
+    # Rung 32 always fails (p5 0.5); 48 is well above the band (0.95).
+    p5 = {32: 0.5, 48: 0.95}.__getitem__
+    budgets, state = _walk(controller(patience=2, max_patience=8), BudgetState(48), p5, 40)
+    # Waits before each probe of 32: 2, 4, 8, then capped at max_patience = 8.
+    probes = [i for i, b in enumerate(budgets) if b == 32]
+    assert probes == [2, 7, 16, 25, 34]
+    assert state.wait == 8
+    # Without backoff the failing rung is probed every patience + 1 = 3 steps (the old law).
+    budgets, _ = _walk(controller(patience=2, backoff=1), BudgetState(48), p5, 12)
+    assert budgets == [48, 48, 32] * 4
+
+
+def test_a_passed_probe_resets_the_wait():
+    c = controller(patience=2)
+    s = BudgetState(32, 0, wait=8, trial=2)  # just lowered to 32 after a long wait
+    s = c.update(s, 0.88)  # in the band: the trial goes on
+    assert s == BudgetState(32, 0, wait=8, trial=1)
+    s = c.update(s, 0.95)  # patience steps at or above the target: passed
+    assert s == BudgetState(32, 1)  # wait back to patience (stored as 0), one step above
+    assert c.update(s, 0.95) == BudgetState(16, 0, trial=2)  # the next rung after `patience`
+    # A failure after the trial ended raises without backing off.
+    assert c.update(BudgetState(32, 1), 0.5) == BudgetState(48, 0)
+    # A failure during the trial backs off, and a rung that fails at once is probed rarely.
+    assert c.update(BudgetState(32, 0, wait=8, trial=1), 0.5) == BudgetState(48, 0, wait=16)
 
 
 def test_hysteresis_band_holds_and_resets_streak():
@@ -66,8 +109,9 @@ def test_clamped_to_the_ladder():
 
 def test_restore_round_trip_and_checks():
     c = controller()
-    s = BudgetState(48, 1)
+    s = BudgetState(48, 1, wait=8, trial=1)
     assert c.restore(s._asdict()) == s
+    assert c.restore({"budget": 48, "above": 1}) == BudgetState(48, 1)  # saved before backoff
     with pytest.raises(ValueError, match=r"KV budget 40 is not on the adaptive ladder"):
         c.restore({"budget": 40, "above": 0})
     with pytest.raises(ValueError, match="ascending"):
@@ -105,6 +149,8 @@ def test_config_section_and_validation():
         (["rollout.kv.adaptive.target=1.5"], r"target must be in \(0, 1\]"),
         (["rollout.kv.adaptive.margin=0"], "hysteresis band"),
         (["rollout.kv.adaptive.levels=1"], "levels must be >= 2"),
+        (["rollout.kv.adaptive.backoff=0"], r"backoff must be >= 1 \(1: no backoff\)"),
+        (["rollout.kv.adaptive.max_patience=1"], r"max_patience \(1\) must be >= .*patience"),
         (["rollout.kv.adaptive.min_budget=16"], r"must lie in .*\[16, the rollout length\]"),
         (["rollout.kv.adaptive.min_budget=4"], r"min_budget \(4\) must exceed window"),
         (["rollout.kv.adaptive.max_budget=10"], r"\[12, 10\]"),

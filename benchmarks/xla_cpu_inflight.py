@@ -5,7 +5,8 @@ Each count runs in a child process with a deadline (a hang is the finding, not a
     python benchmarks/xla_cpu_inflight.py 32 40 64 --timeout 30
 
 prints one JSON line per count: {"programs": N, "finished": bool, "seconds": ...}. On jax 0.10
-(2 cores) 40 finish and 64 hang: the reason `sync.receiver` paces its per-leaf programs.
+(2 cores) 16-33 finish, 48 and 64 hang, 40 hangs about half the time: the reason
+`sync.receiver` paces its per-leaf programs.
 """
 
 import argparse

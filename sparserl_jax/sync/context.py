@@ -22,6 +22,9 @@ publisher and on each receiver, so a version costs passes over its changes, not 
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
+
 import numpy as np
 
 __all__ = [
@@ -117,54 +120,64 @@ def choose_cuts(
 
 
 class _Ranges:
-    """Rank/select over the classes `[cuts[j-1], cuts[j])` of a leaf's old exponents.
+    """Rank/select in context order over a leaf's class bitmaps.
 
-    One pass takes each element's exponent byte; per cut t one pass packs `exponent < t` into
-    uint64 words (bit j of word w: element 64w + j). A class's bitmap is the difference of two of
-    them, and the members before each word one popcount cumsum over 1/64 of the leaf. The packed
-    compares are the only per-element work: rank and select then cost O(words + changes).
+    Class j (old exponent in `[cuts[j-1], cuts[j])`) is a bitmap packed into uint64 words (bit b
+    of word w: element 64w + b); `words` lays the classes' bitmaps end to end, class 0 first.
+    The context position of an element is then the number of set bits before its bit in that
+    concatenation: the classes are disjoint and cover the leaf, so every member of a lower class
+    comes first (the last class's padding bits past the leaf lie at the very end and are never
+    ranked or selected). `before[g]`, the set bits in words `0..g-1` (one popcount cumsum over
+    `(cuts + 1) / 64` words per element), makes rank and select one vectorised pass over the
+    changes of the whole leaf, whatever class each is in.
     """
 
-    def __init__(self, below: np.ndarray, sizes, numel: int):
-        """`below[j]`: the packed `exponent < cuts[j]` words of the leaf (`below_words`),
-        `sizes[j]` their set bits."""
+    def __init__(self, below: Sequence[np.ndarray], numel: int):
+        """`below[j]`: the packed `exponent < cuts[j]` words of the leaf (`below_words`)."""
         self.numel = numel
-        self.below = below  # [cut, word]; padding bits past the leaf are 0
-        self.starts = np.concatenate([[0], np.asarray(sizes, np.int64), [numel]]).astype(np.int64)
+        self.below = list(below)  # padding bits past the leaf are 0
 
     @classmethod
     def of(cls, old_bits: np.ndarray, dtype: str, cuts: list[int]) -> _Ranges:
         """The ranges of `old_bits` (one exponent pass, one packed compare per cut)."""
         key = exponent_key(old_bits, dtype)
-        below = np.stack([below_words(key, t) for t in cuts]) if cuts else _no_words(key.size)
-        return cls(below, np.bitwise_count(below).sum(axis=1, dtype=np.int64), key.size)
+        return cls([below_words(key, t) for t in cuts], key.size)
 
-    def class_words(self, j: int) -> tuple[np.ndarray, np.ndarray]:
-        """Class j's bitmap words and its members before each word (padding bits past the leaf
-        may be set in the last class; they are never ranked or selected)."""
-        m = len(self.below)
-        if j == 0:
-            words = self.below[0]
-        elif j == m:
-            words = ~self.below[m - 1]
+    @functools.cached_property
+    def _directory(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """`(words, before, words per class)`: see the class docstring."""
+        m, nw = len(self.below), -(-self.numel // 64)
+        words = np.empty((m + 1, nw), np.uint64)
+        if m == 0:
+            words[0] = ~np.uint64(0)
         else:
-            words = self.below[j] & ~self.below[j - 1]
+            words[0] = self.below[0]
+            for j in range(1, m):
+                np.invert(self.below[j - 1], out=words[j])
+                words[j] &= self.below[j]
+            np.invert(self.below[m - 1], out=words[m])
+        words = words.reshape(-1)
         before = np.zeros(words.size + 1, np.int64)
-        np.cumsum(np.bitwise_count(words), out=before[1:])
-        return words, before
+        np.cumsum(np.bitwise_count(words), dtype=np.int64, out=before[1:])
+        return words, before, nw
 
-    def rank(self, j: int, index: np.ndarray) -> np.ndarray:
-        """Context positions of the class-j elements at flat `index`."""
-        words, before = self.class_words(j)
-        w = index >> 6
-        low = _LOW_MASKS[index & 63]
-        return self.starts[j] + before[w] + np.bitwise_count(words[w] & low)
+    @property
+    def starts(self) -> np.ndarray:
+        """The context position where each class starts, and `numel` last."""
+        _, before, nw = self._directory
+        return np.append(before[: len(self.below) * nw + 1 : nw], self.numel)
 
-    def select(self, j: int, r: np.ndarray) -> np.ndarray:
-        """Flat indices of the class-j members of rank `r` within the class."""
-        words, before = self.class_words(j)
-        w = np.searchsorted(before, r, side="right") - 1  # the word holding the r-th member
-        return w * 64 + _select_in_word(words[w], r - before[w])
+    def rank(self, cls: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """Context positions of the elements at flat `index`, of classes `cls`."""
+        words, before, nw = self._directory
+        g = cls.astype(np.int64) * nw + (index >> 6)
+        return before[g] + np.bitwise_count(words[g] & _LOW_MASKS[index & 63])
+
+    def select(self, pos: np.ndarray) -> np.ndarray:
+        """Flat indices of the elements at context positions `pos` (each in `[0, numel)`)."""
+        words, before, nw = self._directory
+        g = np.searchsorted(before, pos, side="right") - 1  # the word holding bit `pos`
+        return (g % nw) * 64 + _select_in_word(words[g], pos - before[g])
 
 
 def below_words(key: np.ndarray, cut: int) -> np.ndarray:
@@ -174,10 +187,6 @@ def below_words(key: np.ndarray, cut: int) -> np.ndarray:
     out = np.zeros(-(-nbytes // 8) * 8, np.uint8)
     out[:nbytes] = np.packbits(key < cut, bitorder="little")
     return out.view("<u8")
-
-
-def _no_words(numel: int) -> np.ndarray:
-    return np.zeros((0, -(-numel // 64)), np.uint64)
 
 
 class ContextCache:
@@ -196,7 +205,7 @@ class ContextCache:
 
     def __init__(self, max_cuts: int = MAX_CUTS + 2):
         self.max_cuts = max_cuts
-        # name -> {cut: [words, set bits, last use]}
+        # name -> {cut: [words, last use]}
         self._leaves: dict[str, dict[int, list]] = {}
         self._dtypes: dict[str, str] = {}
         self._clock = 0
@@ -205,7 +214,7 @@ class ContextCache:
         """The `_Ranges` of leaf `name` (its current bits: `old_bits`) for `cuts`."""
         old = old_bits.reshape(-1)
         if not cuts:  # flat order: no classes to hold
-            return _Ranges(_no_words(old.size), [], old.size)
+            return _Ranges([], old.size)
         if self._dtypes.get(name) != dtype:
             self.drop(name)
         held = self._leaves.setdefault(name, {})
@@ -215,29 +224,32 @@ class ContextCache:
         if missing:
             key = exponent_key(old, dtype)
             for t in missing:
-                words = below_words(key, t)
-                held[t] = [words, int(np.bitwise_count(words).sum(dtype=np.int64)), 0]
+                held[t] = [below_words(key, t), 0]
         for t in cuts:
-            held[t][2] = self._clock
-        for t in sorted(held, key=lambda t: held[t][2])[: max(0, len(held) - self.max_cuts)]:
+            held[t][1] = self._clock
+        for t in sorted(held, key=lambda t: held[t][1])[: max(0, len(held) - self.max_cuts)]:
             del held[t]
-        return _Ranges(np.stack([held[t][0] for t in cuts]), [held[t][1] for t in cuts], old.size)
+        return _Ranges([held[t][0] for t in cuts], old.size)
 
     def advance(self, name: str, index: np.ndarray, new_bits: np.ndarray) -> None:
-        """Elements `index` (unique flat indices) of leaf `name` now hold `new_bits`."""
+        """Elements `index` (sorted unique flat indices) of leaf `name` now hold `new_bits`."""
         held = self._leaves.get(name)
         if not held or index.size == 0:
             return
+        if index.size > 1 and not np.all(index[1:] > index[:-1]):
+            raise ValueError("advance needs sorted unique indices")
         key = exponent_key(np.asarray(new_bits), self._dtypes[name])
         w = index >> 6
-        bit = np.left_shift(np.uint64(1), (index & 63).astype(np.uint64))
+        bit = _BITS[index & 63]
         for t, entry in held.items():
             words = entry[0]
-            was = (words[w] & bit) != 0
-            flip = was != (key < t)
-            if flip.any():
-                np.bitwise_xor.at(words, w[flip], bit[flip])  # a word may hold several flips
-                entry[1] += int(np.count_nonzero(~was & flip)) - int(np.count_nonzero(was & flip))
+            flip = ((words[w] & bit) != 0) != (key < t)
+            if not flip.any():
+                continue
+            fw, fb = w[flip], bit[flip]
+            # Several flips may share a word: OR their (distinct) bits per word, then XOR once.
+            first = np.flatnonzero(np.concatenate([[True], fw[1:] != fw[:-1]]))
+            words[fw[first]] ^= np.bitwise_or.reduceat(fb, first)
 
     def drop(self, name: str | None = None) -> None:
         """Forget leaf `name`'s bitmaps (every leaf's when None)."""
@@ -249,8 +261,9 @@ class ContextCache:
             self._dtypes.pop(name, None)
 
 
-# `2**n - 1` as uint64 for `0 <= n <= 63`: the bits of a word before bit n.
-_LOW_MASKS = (np.uint64(1) << np.arange(64, dtype=np.uint64)) - np.uint64(1)
+# Bit n of a word (`_BITS`) and the bits before it (`_LOW_MASKS`), as uint64, `0 <= n <= 63`.
+_BITS = np.uint64(1) << np.arange(64, dtype=np.uint64)
+_LOW_MASKS = _BITS - np.uint64(1)
 
 
 def _select_bytes() -> np.ndarray:
@@ -310,14 +323,8 @@ def context_order(
     old = old_bits.reshape(-1)
     cls = class_of(exponent_key(old[index], dtype), cuts)
     order = np.argsort(cls, kind="stable")  # a radix sort of small ints
-    index, cls = index[order], cls[order]
     ranges = ranges if ranges is not None else _Ranges.of(old, dtype, cuts)
-    bounds = np.searchsorted(cls, np.arange(len(cuts) + 2)).tolist()
-    pos = np.empty(index.size, np.int64)
-    for j in range(len(cuts) + 1):
-        lo, hi = bounds[j], bounds[j + 1]
-        if hi > lo:
-            pos[lo:hi] = ranges.rank(j, index[lo:hi])
+    pos = ranges.rank(cls[order], index[order])
     return order, pos
 
 
@@ -344,17 +351,7 @@ def context_select(
     if not cuts or pos.size == 0:
         return pos.copy()
     ranges = ranges if ranges is not None else _Ranges.of(old_bits, dtype, cuts)
-    if pos.size < 2 or not np.any(pos[1:] < pos[:-1]):  # sorted (as decoded): classes are runs
-        bounds = np.searchsorted(pos, ranges.starts).tolist()
-        groups = [(j, slice(bounds[j], bounds[j + 1])) for j in range(len(bounds) - 1)]
-        groups = [(j, sel) for j, sel in groups if sel.stop > sel.start]
-    else:
-        cls = np.searchsorted(ranges.starts, pos, side="right") - 1
-        groups = [(j, cls == j) for j in np.unique(cls).tolist()]
-    out = np.empty(pos.size, np.int64)
-    for j, sel in groups:
-        out[sel] = ranges.select(j, pos[sel] - ranges.starts[j])
-    return out
+    return ranges.select(pos)
 
 
 def to_line(bits: np.ndarray, itemsize: int) -> np.ndarray:

@@ -32,6 +32,7 @@ returning anything; every size it reads is bounded before it allocates or inflat
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
@@ -42,6 +43,7 @@ from sparserl_jax.sync.context import (
     ContextCache,
     choose_cuts,
     context_order,
+    exponent_histogram,
     to_line,
 )
 from sparserl_jax.sync.decode import Patch as Patch  # re-exported
@@ -137,11 +139,13 @@ def _sparse_v3(
     if old_bits.size != s.numel or old_bits.dtype.itemsize != s.itemsize:
         raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
     old_bits = old_bits.reshape(-1).view(uint_dtype(s.itemsize))
-    cuts = choose_cuts(old_bits, ch.old, s.dtype)
+    # The leaf's exact exponent histogram: held by the publisher's context, else counted.
+    hist = exponent_histogram if context is None else functools.partial(context.histogram, s.name)
+    cuts = choose_cuts(old_bits, ch.old, s.dtype, counts=hist(old_bits, s.dtype))
     # Within a class positions rise with the (sorted) flat index: context order is a stable
     # sort by class.
     ranges = None if context is None else context.ranges(s.name, old_bits, s.dtype, cuts)
-    order, pos = context_order(old_bits, s.dtype, cuts, ch.index, ranges)
+    order, pos = context_order(old_bits, s.dtype, cuts, ch.index, ranges, changed_old=ch.old)
     if cuts:
         ch = LeafChanges(ch.index[order], ch.delta[order], ch.old[order])
     gaps = gaps_of(pos)

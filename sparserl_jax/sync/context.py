@@ -34,6 +34,7 @@ __all__ = [
     "class_mask_bits",
     "class_of",
     "context_order",
+    "exponent_histogram",
     "context_rank",
     "context_select",
     "entropy_bound",
@@ -79,23 +80,39 @@ def _binary_entropy_bits(n: np.ndarray, k: np.ndarray) -> np.ndarray:
     return np.where((n > 0) & (k > 0) & (k < n), n * h, 0.0)
 
 
+def exponent_histogram(bits: np.ndarray, dtype: str) -> np.ndarray | None:
+    """How many elements of `bits` hold each exponent field value (int64[256]); None for
+    non-float dtypes."""
+    key = exponent_key(bits, dtype)
+    return None if key is None else np.bincount(key, minlength=256)
+
+
 def choose_cuts(
-    old_bits: np.ndarray, changed_old: np.ndarray, dtype: str, *, sample: int = 1 << 16
+    old_bits: np.ndarray,
+    changed_old: np.ndarray,
+    dtype: str,
+    *,
+    sample: int = 1 << 16,
+    counts: np.ndarray | None = None,
 ) -> list[int]:
     """At most `MAX_CUTS` exponents where context classes start, minimising the mask entropy.
 
     `changed_old`: the old bits of the changed elements (their exponents are counted exactly);
-    the leaf's exponent histogram is estimated from an evenly strided sample of `old_bits`. A
+    `counts`: the leaf's exponent histogram (`exponent_histogram` of `old_bits`, or the one a
+    `ContextCache` holds), else estimated from an evenly strided sample of `old_bits`. A
     dynamic program over the exponents present picks the split into consecutive ranges with the
     least `sum n * H2(k / n)`; [] (flat order) for non-float dtypes or when nothing is gained.
     """
     if dtype not in _EXPONENT or changed_old.size == 0:
         return []
-    old = old_bits.reshape(-1)
-    stride = max(1, old.size // sample)
-    n_c = np.bincount(exponent_key(old[::stride], dtype), minlength=256) * (
-        old.size / -(-old.size // stride)
-    )
+    if counts is not None:
+        n_c = np.asarray(counts, np.float64)
+    else:
+        old = old_bits.reshape(-1)
+        stride = max(1, old.size // sample)
+        n_c = np.bincount(exponent_key(old[::stride], dtype), minlength=256) * (
+            old.size / -(-old.size // stride)
+        )
     k_c = np.bincount(exponent_key(changed_old, dtype), minlength=256).astype(np.float64)
     n_c = np.maximum(n_c, k_c)  # the sample may miss a class the changes show
     present = np.flatnonzero(n_c > 0)
@@ -190,7 +207,8 @@ def below_words(key: np.ndarray, cut: int) -> np.ndarray:
 
 
 class ContextCache:
-    """Each leaf's packed `exponent < cut` bitmaps, kept across versions on one side of a link.
+    """Each leaf's packed `exponent < cut` bitmaps and exponent histogram, kept across versions
+    on one side of a link.
 
     Building a leaf's context costs a pass over its old bits per cut (`_Ranges.of`); between two
     versions only the changed elements can move between classes, so a publisher or receiver that
@@ -207,18 +225,32 @@ class ContextCache:
         self.max_cuts = max_cuts
         # name -> {cut: [words, last use]}
         self._leaves: dict[str, dict[int, list]] = {}
+        self._hist: dict[str, np.ndarray] = {}  # name -> exponent histogram (int64[256])
         self._dtypes: dict[str, str] = {}
         self._clock = 0
+
+    def _bind(self, name: str, dtype: str) -> None:
+        if self._dtypes.get(name) != dtype:
+            self.drop(name)
+        self._dtypes[name] = dtype
+
+    def histogram(self, name: str, old_bits: np.ndarray, dtype: str) -> np.ndarray | None:
+        """Leaf `name`'s exponent histogram (`exponent_histogram` of its current bits,
+        `old_bits`), counted once and then kept by `advance`; None for non-float dtypes."""
+        if dtype not in _EXPONENT:
+            return None
+        self._bind(name, dtype)
+        if name not in self._hist:
+            self._hist[name] = exponent_histogram(old_bits, dtype)
+        return self._hist[name]
 
     def ranges(self, name: str, old_bits: np.ndarray, dtype: str, cuts: list[int]) -> _Ranges:
         """The `_Ranges` of leaf `name` (its current bits: `old_bits`) for `cuts`."""
         old = old_bits.reshape(-1)
         if not cuts:  # flat order: no classes to hold
             return _Ranges([], old.size)
-        if self._dtypes.get(name) != dtype:
-            self.drop(name)
+        self._bind(name, dtype)
         held = self._leaves.setdefault(name, {})
-        self._dtypes[name] = dtype
         self._clock += 1
         missing = [t for t in cuts if t not in held]
         if missing:
@@ -231,19 +263,39 @@ class ContextCache:
             del held[t]
         return _Ranges([held[t][0] for t in cuts], old.size)
 
-    def advance(self, name: str, index: np.ndarray, new_bits: np.ndarray) -> None:
-        """Elements `index` (sorted unique flat indices) of leaf `name` now hold `new_bits`."""
-        held = self._leaves.get(name)
-        if not held or index.size == 0:
+    def advance(
+        self, name: str, index: np.ndarray, new_bits: np.ndarray, old_bits: np.ndarray | None = None
+    ) -> None:
+        """Elements `index` (sorted unique flat indices) of leaf `name` now hold `new_bits`.
+
+        `old_bits`: what they held before, if known: then only the elements whose exponent moved
+        are looked at, and the histogram is kept (without them it is dropped, recounted on use).
+        """
+        held, hist = self._leaves.get(name), self._hist.get(name)
+        if (not held and hist is None) or index.size == 0:
             return
         if index.size > 1 and not np.all(index[1:] > index[:-1]):
             raise ValueError("advance needs sorted unique indices")
-        key = exponent_key(np.asarray(new_bits), self._dtypes[name])
+        dtype = self._dtypes[name]
+        key = exponent_key(np.asarray(new_bits), dtype)
+        if old_bits is None:
+            self._hist.pop(name, None)
+            was = None
+        else:
+            was = exponent_key(np.asarray(old_bits), dtype)
+            moved = np.flatnonzero(was != key)  # most changes keep their exponent
+            if moved.size == 0:
+                return
+            index, key, was = index[moved], key[moved], was[moved]
+            if hist is not None:
+                hist -= np.bincount(was, minlength=256)
+                hist += np.bincount(key, minlength=256)
         w = index >> 6
         bit = _BITS[index & 63]
-        for t, entry in held.items():
+        for t, entry in (held or {}).items():
             words = entry[0]
-            flip = ((words[w] & bit) != 0) != (key < t)
+            below = key < t
+            flip = below != (((words[w] & bit) != 0) if was is None else (was < t))
             if not flip.any():
                 continue
             fw, fb = w[flip], bit[flip]
@@ -252,12 +304,14 @@ class ContextCache:
             words[fw[first]] ^= np.bitwise_or.reduceat(fb, first)
 
     def drop(self, name: str | None = None) -> None:
-        """Forget leaf `name`'s bitmaps (every leaf's when None)."""
+        """Forget leaf `name`'s bitmaps and histogram (every leaf's when None)."""
         if name is None:
             self._leaves.clear()
+            self._hist.clear()
             self._dtypes.clear()
         else:
             self._leaves.pop(name, None)
+            self._hist.pop(name, None)
             self._dtypes.pop(name, None)
 
 
@@ -308,9 +362,12 @@ def context_order(
     cuts: list[int],
     index: np.ndarray,
     ranges: _Ranges | None = None,
+    *,
+    changed_old: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """`(order, pos)`: the stable sort of `index` (unique flat indices) by class, and the
-    context positions of `index[order]` (rising when `index` is sorted).
+    context positions of `index[order]` (rising when `index` is sorted). `changed_old`:
+    `old_bits` at `index`, when the caller holds them.
 
     The context order lists the elements of class 0 (old exponent below `cuts[0]`) in flat
     order, then those of class 1, and so on: position = (number of elements in lower classes) +
@@ -321,7 +378,8 @@ def context_order(
     if not cuts or index.size == 0:
         return np.arange(index.size), index.copy()
     old = old_bits.reshape(-1)
-    cls = class_of(exponent_key(old[index], dtype), cuts)
+    changed_old = old[index] if changed_old is None else changed_old
+    cls = class_of(exponent_key(changed_old, dtype), cuts)
     order = np.argsort(cls, kind="stable")  # a radix sort of small ints
     ranges = ranges if ranges is not None else _Ranges.of(old, dtype, cuts)
     pos = ranges.rank(cls[order], index[order])

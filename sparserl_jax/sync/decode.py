@@ -38,13 +38,15 @@ __all__ = ["Patch", "TensorPatch", "decode", "state_digest"]
 
 @dataclasses.dataclass(frozen=True)
 class TensorPatch:
-    """A decoded, validated tensor entry. `bits` are values (new or XOR) or the dense array."""
+    """A decoded, validated tensor entry. `bits` are values (new or XOR) or the dense array;
+    `old`: a format-3 sparse entry's old bits at `index` (what it was coded against)."""
 
     spec: TensorSpec
     encoding: Literal["unchanged", "sparse", "dense"]
     index: np.ndarray | None = None
     bits: np.ndarray | None = None
     xor: bool = False
+    old: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +133,9 @@ def _sparse_v3_values(
     old_full,
     cuts: list,
     context: ContextCache | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Flat-sorted (index, new bits) of a format-3 sparse entry, given the leaf's old bits."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flat-sorted (index, new bits, old bits) of a format-3 sparse entry, given the leaf's old
+    bits."""
     old_full = np.asarray(old_full).reshape(-1)
     if old_full.size != s.numel or old_full.dtype.itemsize != s.itemsize:
         raise ValueError(f"base bits of {s.name}: {old_full.shape}/{old_full.dtype} != {s}")
@@ -156,7 +159,7 @@ def _sparse_v3_values(
         )
         new = from_line(line, s.itemsize)
     order = np.argsort(index, kind="stable")
-    return index[order], new[order]
+    return index[order], new[order], old[order]
 
 
 def decode(
@@ -277,10 +280,10 @@ def decode(
                 _check(index[-1] < s.numel, f"tensor {s.name}: positions out of [0, {s.numel})")
                 old_full = base(s.name)
                 cuts = entry["context"]  # checked by stream_sizes
-                index, bits = _sparse_v3_values(
+                index, bits, old = _sparse_v3_values(
                     s, index, vals, signs, mode, old_full, cuts, context
                 )
-                out[s.name] = TensorPatch(s, "sparse", index=index, bits=bits)
+                out[s.name] = TensorPatch(s, "sparse", index=index, bits=bits, old=old)
                 continue
             _check(
                 index[-1] < s.numel and (nnz == 1 or bool(np.all(index[1:] > index[:-1]))),

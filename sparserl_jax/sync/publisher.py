@@ -242,7 +242,7 @@ class Publisher:
         t3 = time.perf_counter()
         self._sent, self._digests, self.version = new_sent, digests, self.version + 1
         for n, ch in changes.items():
-            self._context.advance(n, ch.index, ch.new)
+            self._context.advance(n, ch.index, ch.new, ch.old)
         anchor, c3 = None, time.process_time()
         if self.version % self.config.anchor_every == 0:
             anchor = self._anchor()

@@ -336,7 +336,7 @@ class Receiver:
         self.run_id = self.run_id or patch.run_id
         for name, t in patch.tensors.items():  # the held classes follow the new bits
             if t.encoding == "sparse" and not t.xor:
-                self._context.advance(name, t.index, t.bits)
+                self._context.advance(name, t.index, t.bits, t.old)
             elif t.encoding != "unchanged":  # dense, or XOR values (format 2): rebuilt on use
                 self._context.drop(name)
         return patch.new_version

@@ -390,7 +390,7 @@ def test_format_3_round_trip_with_any_valid_cuts(case, data):
     config = dataclasses.replace(config, format=3, values=data.draw(st.sampled_from(VALUES_3)))
     seed = data.draw(st.integers(0, 2**31))
 
-    def any_cuts(old_bits, changed_old, dtype):
+    def any_cuts(old_bits, changed_old, dtype, **kw):
         top = max_exponent(dtype)
         rng = np.random.default_rng(seed)
         k = int(rng.integers(0, MAX_CUTS + 1)) if top else 0

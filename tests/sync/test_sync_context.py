@@ -15,6 +15,7 @@ from sparserl_jax.sync.context import (
     context_rank,
     context_select,
     entropy_bound,
+    exponent_histogram,
     exponent_key,
     from_line,
     max_exponent,
@@ -71,8 +72,9 @@ def test_context_rank_is_a_stable_sort_by_class_and_select_inverts_it(
 def test_context_cache_advanced_each_version_equals_a_rebuild(
     dtype, n, versions, max_cuts, seed, data
 ):
-    """Held bitmaps, advanced by each version's changes, are the classes rebuilt from the bits,
-    whatever cuts each version picks; the cache never holds more than `max_cuts` per leaf."""
+    """Held bitmaps and histogram, advanced by each version's changes (with or without their
+    old bits), are those rebuilt from the bits, whatever cuts each version picks; the cache never
+    holds more than `max_cuts` bitmaps per leaf."""
     rng = np.random.default_rng(seed)
     size = FLOATS[dtype]
     bits = rng.integers(0, 2 ** (8 * size), n, dtype=np.uint64).astype(f"<u{size}")
@@ -83,6 +85,9 @@ def test_context_cache_advanced_each_version_equals_a_rebuild(
         got, want = cache.ranges("w", bits, dtype, cuts), _Ranges.of(bits, dtype, cuts)
         np.testing.assert_array_equal(got.below, want.below)
         np.testing.assert_array_equal(got.starts, want.starts)
+        held = cache.histogram("w", bits, dtype)
+        np.testing.assert_array_equal(held, exponent_histogram(bits, dtype))
+        assert held.sum() == n
         index = context_rank(bits, dtype, cuts, np.arange(0, n, 3))
         ordered = np.sort(index)
         np.testing.assert_array_equal(
@@ -92,11 +97,15 @@ def test_context_cache_advanced_each_version_equals_a_rebuild(
         assert len(cache._leaves.get("w", {})) <= max_cuts  # nothing held for no cuts
         changed = np.flatnonzero(rng.random(n) < rng.random())  # sorted, unique
         new = rng.integers(0, 2 ** (8 * size), changed.size, dtype=np.uint64).astype(bits.dtype)
-        cache.advance("w", changed, new)
+        with_old = data.draw(st.booleans())
+        cache.advance("w", changed, new, bits[changed] if with_old else None)
         bits = bits.copy()
         bits[changed] = new
+    cache.histogram("w", bits, dtype)
+    with np.testing.assert_raises(ValueError):  # indices must be sorted and unique
+        cache.advance("w", np.array([1, 1]), np.resize(bits, 2))
     cache.drop("w")
-    assert "w" not in cache._leaves
+    assert "w" not in cache._leaves and "w" not in cache._hist
 
 
 @settings(max_examples=40, deadline=None)

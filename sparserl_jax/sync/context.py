@@ -206,6 +206,55 @@ def below_words(key: np.ndarray, cut: int) -> np.ndarray:
     return out.view("<u8")
 
 
+class _Held:
+    """One leaf's held `exponent < cut` bitmaps: row `slot[cut]` of `words` per cut held."""
+
+    def __init__(self, slots: int, nw: int):
+        self.words = np.empty((slots, nw), np.uint64)  # pages are touched only when written
+        self.slot: dict[int, int] = {}  # cut -> row
+        self.used = [0] * slots  # the clock of each row's last use (0: free)
+
+    def __bool__(self) -> bool:
+        return bool(self.slot)
+
+    def put(self, cut: int, words: np.ndarray, keep: list[int]) -> None:
+        """Hold `cut`'s words in a free row, else in the least recently used row not in `keep`."""
+        free = [r for r in range(len(self.used)) if r not in self.slot.values()]
+        if free:
+            row = free[0]
+        else:
+            row = min((r for t, r in self.slot.items() if t not in keep), key=self.used.__getitem__)
+            del self.slot[next(t for t, r in self.slot.items() if r == row)]
+        self.words[row] = words
+        self.slot[cut] = row
+
+    def advance(self, index: np.ndarray, key: np.ndarray, was: np.ndarray | None) -> None:
+        """Elements `index` (sorted, unique) now have exponent `key` (before: `was`, or what the
+        bitmaps say when None): flip their bit in every held bitmap whose side they changed."""
+        cuts = np.fromiter(self.slot, np.int64, len(self.slot))
+        rows = np.fromiter(self.slot.values(), np.int64, len(self.slot))
+        w, bit = index >> 6, _BITS[index & 63]
+        if was is None:
+            below = (self.words[rows[:, None], w[None, :]] & bit) != 0
+        else:
+            below = was[None, :] < cuts[:, None]
+        r, c = np.nonzero((key[None, :] < cuts[:, None]) != below)  # row-major: words rise per row
+        if r.size == 0:
+            return
+        flat = rows[r] * self.words.shape[1] + w[c]
+        # Several flips may share a word: OR their (distinct) bits per word, then XOR once.
+        first = _run_starts(flat)
+        self.words.reshape(-1)[flat[first]] ^= np.bitwise_or.reduceat(bit[c], first)
+
+
+def _run_starts(x: np.ndarray) -> np.ndarray:
+    """Where each run of equal adjacent values of a non-empty `x` starts."""
+    starts = np.empty(x.size, bool)
+    starts[0] = True
+    np.not_equal(x[1:], x[:-1], out=starts[1:])
+    return np.flatnonzero(starts)
+
+
 class ContextCache:
     """Each leaf's packed `exponent < cut` bitmaps and exponent histogram, kept across versions
     on one side of a link.
@@ -222,9 +271,12 @@ class ContextCache:
     """
 
     def __init__(self, max_cuts: int = MAX_CUTS + 2):
+        if max_cuts < MAX_CUTS:
+            raise ValueError(
+                f"max_cuts must be >= {MAX_CUTS} (the cuts of one entry), got {max_cuts}"
+            )
         self.max_cuts = max_cuts
-        # name -> {cut: [words, last use]}
-        self._leaves: dict[str, dict[int, list]] = {}
+        self._leaves: dict[str, _Held] = {}
         self._hist: dict[str, np.ndarray] = {}  # name -> exponent histogram (int64[256])
         self._dtypes: dict[str, str] = {}
         self._clock = 0
@@ -250,18 +302,18 @@ class ContextCache:
         if not cuts:  # flat order: no classes to hold
             return _Ranges([], old.size)
         self._bind(name, dtype)
-        held = self._leaves.setdefault(name, {})
+        held = self._leaves.get(name)
+        if held is None:
+            held = self._leaves[name] = _Held(self.max_cuts, -(-old.size // 64))
         self._clock += 1
-        missing = [t for t in cuts if t not in held]
+        missing = [t for t in cuts if t not in held.slot]
         if missing:
             key = exponent_key(old, dtype)
             for t in missing:
-                held[t] = [below_words(key, t), 0]
+                held.put(t, below_words(key, t), keep=cuts)
         for t in cuts:
-            held[t][1] = self._clock
-        for t in sorted(held, key=lambda t: held[t][1])[: max(0, len(held) - self.max_cuts)]:
-            del held[t]
-        return _Ranges([held[t][0] for t in cuts], old.size)
+            held.used[held.slot[t]] = self._clock
+        return _Ranges([held.words[held.slot[t]] for t in cuts], old.size)
 
     def advance(
         self, name: str, index: np.ndarray, new_bits: np.ndarray, old_bits: np.ndarray | None = None
@@ -290,18 +342,8 @@ class ContextCache:
             if hist is not None:
                 hist -= np.bincount(was, minlength=256)
                 hist += np.bincount(key, minlength=256)
-        w = index >> 6
-        bit = _BITS[index & 63]
-        for t, entry in (held or {}).items():
-            words = entry[0]
-            below = key < t
-            flip = below != (((words[w] & bit) != 0) if was is None else (was < t))
-            if not flip.any():
-                continue
-            fw, fb = w[flip], bit[flip]
-            # Several flips may share a word: OR their (distinct) bits per word, then XOR once.
-            first = np.flatnonzero(np.concatenate([[True], fw[1:] != fw[:-1]]))
-            words[fw[first]] ^= np.bitwise_or.reduceat(fb, first)
+        if held:
+            held.advance(index, key, was)
 
     def drop(self, name: str | None = None) -> None:
         """Forget leaf `name`'s bitmaps and histogram (every leaf's when None)."""

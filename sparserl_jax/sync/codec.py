@@ -132,16 +132,18 @@ def _sparse_v3(
     old_bits: np.ndarray,
     config: CodecConfig,
     context: ContextCache | None = None,
+    prefer: list[int] | None = None,
 ):
     """A format-3 sparse entry's gaps (over context positions) and value streams, in that order.
-    `context`: the encoder's held class bitmaps (`ContextCache`), used and extended."""
+    `context`: the encoder's held class bitmaps (`ContextCache`), used and extended; `prefer`:
+    the leaf's last cuts (`choose_cuts`)."""
     old_bits = np.asarray(old_bits)
     if old_bits.size != s.numel or old_bits.dtype.itemsize != s.itemsize:
         raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
     old_bits = old_bits.reshape(-1).view(uint_dtype(s.itemsize))
     # The leaf's exact exponent histogram: held by the publisher's context, else counted.
     hist = exponent_histogram if context is None else functools.partial(context.histogram, s.name)
-    cuts = choose_cuts(old_bits, ch.old, s.dtype, counts=hist(old_bits, s.dtype))
+    cuts = choose_cuts(old_bits, ch.old, s.dtype, counts=hist(old_bits, s.dtype), prefer=prefer)
     # Within a class positions rise with the (sorted) flat index: context order is a stable
     # sort by class.
     ranges = None if context is None else context.ranges(s.name, old_bits, s.dtype, cuts)
@@ -184,6 +186,7 @@ def encode(
     base_digest: str | None = None,
     base_bits: Callable[[str], np.ndarray] | None = None,
     context: ContextCache | None = None,
+    cuts: dict[str, list[int]] | None = None,
 ) -> bytes:
     """Encode one patch (`changes` per leaf) or anchor (`changes=None`: every leaf dense).
 
@@ -194,6 +197,9 @@ def encode(
     (patches only) is the `state_digest` of the state the patch applies to; a receiver checks
     both before decoding (None: not stated). `context`: the publisher's `ContextCache` for the
     base bits (format 3), so a leaf's classes are not rebuilt from `base_bits` every version.
+    `cuts`: per leaf, the context cuts of its last format-3 sparse entry, kept while nearly as
+    good (`choose_cuts`' `prefer`: a new cut costs both ends a pass over the leaf); updated in
+    place with this patch's. Encoding depends on it, never on `context`.
     """
     if kind == "anchor" and (changes is not None or base_version is not None or base_digest):
         raise ValueError("an anchor has no base_version, base_digest or changes")
@@ -220,10 +226,15 @@ def encode(
             if ch.count * (width + s.itemsize) < s.numel * s.itemsize:
                 sparse = (gaps, width)
         if sparse is not None and fmt >= 3:
-            gaps, mode, vstreams, cuts = _sparse_v3(s, ch, base_bits(s.name), config, context)
+            prefer = None if cuts is None else cuts.get(s.name)
+            gaps, mode, vstreams, used = _sparse_v3(
+                s, ch, base_bits(s.name), config, context, prefer
+            )
+            if cuts is not None:
+                cuts[s.name] = used
             width = gap_width(int(gaps.max()))
             entry.update(encoding="sparse", nnz=ch.count, gap_width=width, values=mode)
-            entry["context"] = cuts
+            entry["context"] = used
             for p, plane in enumerate(byte_planes(gaps, width)):
                 streams[f"g{p}"] = [plane]
             streams.update(vstreams)

@@ -118,8 +118,10 @@ class Publisher:
         self._treedef = None
         self._sent = None
         self._digests: dict[str, np.ndarray] = {}
-        # Format 3: each leaf's context classes of `_sent`, kept across versions.
+        # Format 3: each leaf's context classes of `_sent`, kept across versions, and the cuts
+        # of its last sparse entry (preferred while nearly as good: `codec.encode`).
         self._context = ContextCache()
+        self._cuts: dict[str, list[int]] = {}
 
     @property
     def sent_bits(self):
@@ -238,9 +240,11 @@ class Publisher:
             leaf_digests=digests,
             config=self.config.codec,
             context=self._context,
+            cuts=(cuts := dict(self._cuts)),
         )
         t3 = time.perf_counter()
         self._sent, self._digests, self.version = new_sent, digests, self.version + 1
+        self._cuts = cuts
         for n, ch in changes.items():
             self._context.advance(n, ch.index, ch.new, ch.old)
         anchor, c3 = None, time.process_time()

@@ -193,3 +193,18 @@ def test_entropy_bound_counts_mask_and_steps():
     # Steps +1/-1 with equal counts: one bit per change.
     new[::8] -= 2
     assert np.isclose(entropy_bound(ints, new, "uint16")[1] * 8, 1024)
+
+
+def test_cuts_keep_the_preferred_ones_while_nearly_as_good():
+    rng = np.random.default_rng(2)
+    e = rng.integers(118, 130, 200_000)
+    bits = ((e << 7) | rng.integers(0, 128, e.size)).astype(np.uint16)
+    changed = rng.random(e.size) < np.exp2(118 - e)  # the rate halves per exponent
+    best = choose_cuts(bits, bits[changed], "bfloat16")
+    counts = exponent_histogram(bits, "bfloat16")
+    assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts) == best
+    # A neighbour of the best cuts costs little more: kept; a poor split is replaced by the best.
+    near = [*best[:-1], best[-1] + 1]
+    assert near != best
+    assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=near) == near
+    assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=[129]) == best

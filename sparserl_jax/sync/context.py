@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from sparserl_jax.sync.planes import uint_dtype
+
 __all__ = [
     "MAX_CUTS",
     "ContextCache",
@@ -476,18 +478,41 @@ def to_line(bits: np.ndarray, itemsize: int) -> np.ndarray:
     +0 -> 0, the smallest positive subnormal -> 1, ..., -0 -> -1, the largest negative
     subnormal -> -2, ...: adjacent representable values are adjacent integers, so a one-ulp change
     is a step of 1 (NaN and inf patterns sit beyond the finite values; ints map the same way).
-    int32 for 1- and 2-byte items (a step between two of them still fits), else int64.
+    int32 for 1- and 2-byte items (a step between two of them still fits; one table lookup per
+    element), else int64.
     """
-    top = 1 << (8 * itemsize - 1)
-    b = bits.astype(np.int32 if itemsize < 4 else np.int64)
-    return np.where(b >= top, top - 1 - b, b)
+    bits = np.asarray(bits)
+    if itemsize < 4:
+        return _line_tables(itemsize)[0][bits.astype(uint_dtype(itemsize), copy=False)]
+    return _to_line(bits.astype(np.int64), itemsize)
 
 
 def from_line(line: np.ndarray, itemsize: int) -> np.ndarray:
     """The inverse of `to_line`; `line` must lie in `[-2**(8w-1), 2**(8w-1))`."""
+    if itemsize < 4:
+        return _line_tables(itemsize)[1][np.asarray(line) + (1 << (8 * itemsize - 1))]
+    return _from_line(np.asarray(line), itemsize)
+
+
+def _to_line(b: np.ndarray, itemsize: int) -> np.ndarray:
     top = 1 << (8 * itemsize - 1)
-    out = np.where(line < 0, top - 1 - line, line)
-    return out.astype(np.dtype(f"<u{itemsize}"))
+    return np.where(b >= top, top - 1 - b, b)
+
+
+def _from_line(line: np.ndarray, itemsize: int) -> np.ndarray:
+    top = 1 << (8 * itemsize - 1)
+    return np.where(line < 0, top - 1 - line, line).astype(uint_dtype(itemsize))
+
+
+@functools.cache
+def _line_tables(itemsize: int) -> tuple[np.ndarray, np.ndarray]:
+    """`to_line` of every bit pattern (int32) and `from_line` of every line value (offset by
+    `2**(8w-1)`), for 1- and 2-byte items: 256 KiB and 128 KiB for 2 bytes."""
+    top = 1 << (8 * itemsize - 1)
+    line = _to_line(np.arange(2 * top, dtype=np.int32), itemsize)
+    back = np.empty(2 * top, uint_dtype(itemsize))
+    back[line + top] = np.arange(2 * top)
+    return line, back
 
 
 def _entropy_bits(counts: np.ndarray) -> float:

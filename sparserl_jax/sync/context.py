@@ -79,12 +79,15 @@ def max_exponent(dtype: str) -> int:
 
 
 def _binary_entropy_bits(n: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """`n * H2(k / n)` elementwise (0 where n == 0 or k in {0, n})."""
+    """`n * H2(k / n)` elementwise for `0 <= k <= n` (0 where n == 0 or k in {0, n}), as
+    `n log n - k log k - (n - k) log (n - k)`: no division, no special cases."""
     n, k = np.asarray(n, np.float64), np.asarray(k, np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        p = np.clip(k / n, 0.0, 1.0)
-        h = -(p * np.log2(p) + (1 - p) * np.log2(1 - p))
-    return np.where((n > 0) & (k > 0) & (k < n), n * h, 0.0)
+    return _xlog2x(n) - _xlog2x(k) - _xlog2x(n - k)
+
+
+def _xlog2x(x: np.ndarray) -> np.ndarray:
+    """`x * log2(x)`, 0 at 0 (`x >= 0`)."""
+    return x * np.log2(np.maximum(x, np.finfo(np.float64).tiny))
 
 
 def exponent_histogram(bits: np.ndarray, dtype: str) -> np.ndarray | None:

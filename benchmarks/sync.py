@@ -56,6 +56,7 @@ class BenchConfig:
     weight_decay: float = 0.01
     anchor_every: int = 10
     zstd_level: int = 1
+    cut_slack: float = CodecConfig.cut_slack
     seed: int = 0
 
     def __post_init__(self):
@@ -105,7 +106,7 @@ def run(cfg: BenchConfig, log=None) -> dict:
         )
 
     def sync_config(fmt: int) -> SyncConfig:
-        codec = CodecConfig(zstd_level=cfg.zstd_level, format=fmt)
+        codec = CodecConfig(zstd_level=cfg.zstd_level, format=fmt, cut_slack=cfg.cut_slack)
         return SyncConfig(anchor_every=cfg.anchor_every, codec=codec)
 
     transport, transport_f2 = InProcessTransport(), InProcessTransport()

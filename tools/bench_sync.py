@@ -26,12 +26,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--anchor-every", type=int, default=10)
     p.add_argument("--zstd-level", type=int, default=1)
+    p.add_argument(
+        "--cut-slack", type=float, default=BenchConfig.cut_slack,
+        help="format 3: keep a leaf's cuts while within this of the bound (0: best every version)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line last")
     a = p.parse_args(argv)
     cfg = BenchConfig(
         lr=a.lr, steps=a.steps, preset=a.preset, batch=a.batch, seq_len=a.seq_len,
-        anchor_every=a.anchor_every, zstd_level=a.zstd_level, seed=a.seed,
+        anchor_every=a.anchor_every, zstd_level=a.zstd_level, cut_slack=a.cut_slack, seed=a.seed,
     )  # fmt: skip
     result = run(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if a.json:

@@ -40,6 +40,7 @@ from typing import Literal
 import numpy as np
 
 from sparserl_jax.sync.context import (
+    CUT_SLACK,
     ContextCache,
     choose_cuts,
     context_order,
@@ -87,9 +88,14 @@ class CodecConfig:
       values: "auto" (per tensor, the smallest of new bits, XOR and, in format 3, signed steps on
         the ordered line, by measured byte-plane entropy), "new", "xor" or "step" (format 3).
       format: wire format written: 2 (the default) or 3 (context-coded positions, value steps,
-        compact header: 30-35% fewer bytes on the bench's updates, but 2-3x slower to encode and
-        apply on a CPU host, and a receiver on an accelerator copies each touched leaf's old bits
-        to the host to decode it). Choose 3 where the link, not the host, is the bottleneck.
+        compact header: 30-35% fewer bytes on the bench's updates, but on a CPU host 1.3-2x
+        slower to encode and 1.6-3x slower to apply, and a receiver on an accelerator copies each
+        touched leaf's old bits to the host to decode it). Choose 3 where the link, not the
+        host, is the bottleneck.
+      cut_slack: format 3: a leaf keeps its last context cuts while their mask costs at most
+        this fraction more than one class per exponent (`context.choose_cuts`). 0 picks the best
+        cuts every version: on the bench 2% (lr 1e-6) to 5% (lr 1e-5) smaller patches, but a
+        cut change costs both ends a pass over the leaf, and encoding ~10% more time.
     """
 
     bucket_bytes: int = 64 << 20
@@ -97,6 +103,7 @@ class CodecConfig:
     zstd_level: int = 1
     values: Literal["auto", "new", "xor", "step"] = "auto"
     format: int = 2
+    cut_slack: float = CUT_SLACK
 
     def __post_init__(self):
         if not isinstance(self.bucket_bytes, int) or self.bucket_bytes < 1:
@@ -109,6 +116,8 @@ class CodecConfig:
             raise ValueError(f"values {self.values!r} unknown; expected auto, new, xor or step")
         if self.format not in WRITABLE_FORMATS:
             raise ValueError(f"format {self.format!r} unknown; expected one of {WRITABLE_FORMATS}")
+        if not (isinstance(self.cut_slack, int | float) and 0 <= self.cut_slack < 1):
+            raise ValueError(f"cut_slack must be a number in [0, 1), got {self.cut_slack!r}")
         if self.values == "step" and self.format < 3:
             raise ValueError("values 'step' needs format 3")
 
@@ -154,7 +163,10 @@ def _sparse_v3(
     old_bits = old_bits.reshape(-1).view(uint_dtype(s.itemsize))
     # The leaf's exact exponent histogram: held by the publisher's context, else counted.
     hist = exponent_histogram if context is None else functools.partial(context.histogram, s.name)
-    cuts = choose_cuts(old_bits, ch.old, s.dtype, counts=hist(old_bits, s.dtype), prefer=prefer)
+    counts = hist(old_bits, s.dtype)
+    cuts = choose_cuts(
+        old_bits, ch.old, s.dtype, counts=counts, prefer=prefer, slack=config.cut_slack
+    )
     # Within a class positions rise with the (sorted) flat index: context order is a stable
     # sort by class.
     ranges = None if context is None else context.ranges(s.name, old_bits, s.dtype, cuts)

@@ -48,9 +48,8 @@ __all__ = [
 
 MAX_CUTS = 4
 # A leaf keeps its last cuts while their mask costs at most this fraction more bits than one
-# class per exponent (the bound no split beats; the best of at most 5 classes is ~2-4% above it).
-# On the bench: +1.2% bytes against the best cuts every version, no held bitmap rebuilt in steady
-# state (1.3 per leaf-version before) and no dynamic program run.
+# class per exponent (the bound no split beats; the best of at most 5 classes is ~2-4% above it):
+# `choose_cuts`' default `slack`, `CodecConfig.cut_slack`'s.
 CUT_SLACK = 0.05
 # (shift, mask) of the exponent field in each floating dtype's bit pattern.
 _EXPONENT = {
@@ -105,6 +104,7 @@ def choose_cuts(
     sample: int = 1 << 16,
     counts: np.ndarray | None = None,
     prefer: list[int] | None = None,
+    slack: float = CUT_SLACK,
 ) -> list[int]:
     """At most `MAX_CUTS` exponents where context classes start, minimising the mask entropy.
 
@@ -113,9 +113,9 @@ def choose_cuts(
     `ContextCache` holds), else estimated from an evenly strided sample of `old_bits`. A
     dynamic program over the exponents present picks the split into consecutive ranges with the
     least `sum n * H2(k / n)`; [] (flat order) for non-float dtypes or when nothing is gained.
-    `prefer`: cuts to keep (the leaf's last ones) while they cost at most `CUT_SLACK` more than
-    one class per exponent: each new cut costs both ends of a link a pass over the leaf
-    (`ContextCache`), and keeping them skips the dynamic program.
+    `prefer`: cuts to keep (the leaf's last ones) while they cost at most `slack` more than one
+    class per exponent: each new cut costs both ends of a link a pass over the leaf
+    (`ContextCache`), and keeping them skips the dynamic program (0: the best every time).
     """
     if dtype not in _EXPONENT or changed_old.size == 0:
         return []
@@ -137,7 +137,7 @@ def choose_cuts(
         bounds = np.concatenate([[0], at, [present.size]])
         kept = _binary_entropy_bits(np.diff(n_cum[bounds]), np.diff(k_cum[bounds])).sum()
         # No split costs less than one class per exponent: kept while near that bound.
-        if kept + 8 * len(prefer) <= class_mask_bits(n_c, k_c) * (1 + CUT_SLACK):
+        if slack > 0 and kept + 8 * len(prefer) <= class_mask_bits(n_c, k_c) * (1 + slack):
             return list(prefer)
     a, b = np.arange(present.size + 1)[:, None], np.arange(present.size + 1)[None, :]
     seg = np.where(b > a, _binary_entropy_bits(n_cum[b] - n_cum[a], k_cum[b] - k_cum[a]), np.inf)

@@ -275,6 +275,8 @@ def test_config_validation_names_bad_values():
         CodecConfig(format=1)
     with pytest.raises(ValueError, match="'step' needs format 3"):
         CodecConfig(format=2, values="step")
+    with pytest.raises(ValueError, match=r"cut_slack must be a number in \[0, 1\), got -0.1"):
+        CodecConfig(format=3, cut_slack=-0.1)
 
 
 def _one_leaf_blob(old, new, config, dtype="bfloat16"):

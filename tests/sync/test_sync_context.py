@@ -207,4 +207,5 @@ def test_cuts_keep_the_preferred_ones_while_nearly_as_good():
     near = [*best[:-1], best[-1] + 1]
     assert near != best
     assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=near) == near
+    assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=near, slack=0) == best
     assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=[129]) == best

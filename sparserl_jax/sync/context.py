@@ -47,10 +47,10 @@ __all__ = [
 ]
 
 MAX_CUTS = 4
-# A leaf keeps its last cuts while their mask costs at most this fraction more bits than one
-# class per exponent (the bound no split beats; the best of at most 5 classes is ~2-4% above it):
-# `choose_cuts`' default `slack`, `CodecConfig.cut_slack`'s.
-CUT_SLACK = 0.05
+# How much more mask bits than one class per exponent (the bound no split beats; the best of at
+# most 5 classes is ~2-4% above it) a leaf's last cuts may cost and still be kept: `choose_cuts`'
+# default `slack`, `CodecConfig.cut_slack`'s. 0: the best cuts every version (the smallest patch).
+CUT_SLACK = 0.0
 # (shift, mask) of the exponent field in each floating dtype's bit pattern.
 _EXPONENT = {
     "bfloat16": (7, 0xFF),

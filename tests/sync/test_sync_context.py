@@ -206,6 +206,11 @@ def test_cuts_keep_the_preferred_ones_while_nearly_as_good():
     # A neighbour of the best cuts costs little more: kept; a poor split is replaced by the best.
     near = [*best[:-1], best[-1] + 1]
     assert near != best
-    assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=near) == near
+    assert (
+        choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=near, slack=0.05) == near
+    )
     assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=near, slack=0) == best
-    assert choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=[129]) == best
+    assert (
+        choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=[129], slack=0.05)
+        == best
+    )

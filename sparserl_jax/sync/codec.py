@@ -42,9 +42,11 @@ import numpy as np
 from sparserl_jax.sync.context import (
     CUT_SLACK,
     ContextCache,
-    choose_cuts,
+    best_cuts,
     context_order,
+    cut_counts,
     exponent_histogram,
+    keeps_cuts,
     to_line,
 )
 from sparserl_jax.sync.decode import Patch as Patch  # re-exported
@@ -147,27 +149,51 @@ def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig, steps=None)
     return min(cost, key=cost.get)  # ties: the first, "new"
 
 
+def _base_of(s: TensorSpec, old_bits) -> np.ndarray:
+    """A leaf's old bits (the receiver's context) as a flat uint array, checked against `s`."""
+    old_bits = np.asarray(old_bits)
+    if old_bits.size != s.numel or old_bits.dtype.itemsize != s.itemsize:
+        raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
+    return old_bits.reshape(-1).view(uint_dtype(s.itemsize))
+
+
+def _plan_cuts(
+    leaves: Sequence[tuple[TensorSpec, LeafChanges, np.ndarray]],
+    config: CodecConfig,
+    context: ContextCache | None,
+    held: Mapping[str, list[int]] | None,
+) -> dict[str, list[int]]:
+    """Format 3: the cuts of each `(spec, changes, old bits)`: the leaf's `held` (last) ones
+    where `config.cut_slack` keeps them, else the best, by one dynamic program over every leaf
+    (`context.best_cuts`). Exponent histograms come from `context` when given."""
+    plan, todo = {}, []
+    for s, ch, old in leaves:
+        hist = (
+            exponent_histogram if context is None else functools.partial(context.histogram, s.name)
+        )
+        nk = cut_counts(old, ch.old, s.dtype, counts=hist(old, s.dtype))
+        prefer = None if held is None else held.get(s.name)
+        if nk is None:
+            plan[s.name] = []
+        elif keeps_cuts(*nk, prefer, config.cut_slack):
+            plan[s.name] = list(prefer)
+        else:
+            todo.append((s.name, nk))
+    plan.update(zip([n for n, _ in todo], best_cuts([nk for _, nk in todo]), strict=True))
+    return plan
+
+
 def _sparse_v3(
     s: TensorSpec,
     ch: LeafChanges,
     old_bits: np.ndarray,
     config: CodecConfig,
+    cuts: list[int],
     context: ContextCache | None = None,
-    prefer: list[int] | None = None,
 ):
-    """A format-3 sparse entry's gaps (over context positions) and value streams, in that order.
-    `context`: the encoder's held class bitmaps (`ContextCache`), used and extended; `prefer`:
-    the leaf's last cuts (`choose_cuts`)."""
-    old_bits = np.asarray(old_bits)
-    if old_bits.size != s.numel or old_bits.dtype.itemsize != s.itemsize:
-        raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
-    old_bits = old_bits.reshape(-1).view(uint_dtype(s.itemsize))
-    # The leaf's exact exponent histogram: held by the publisher's context, else counted.
-    hist = exponent_histogram if context is None else functools.partial(context.histogram, s.name)
-    counts = hist(old_bits, s.dtype)
-    cuts = choose_cuts(
-        old_bits, ch.old, s.dtype, counts=counts, prefer=prefer, slack=config.cut_slack
-    )
+    """A format-3 sparse entry's gaps (over context positions) and value streams, in that order,
+    for `cuts` over `old_bits` (`_base_of`). `context`: the encoder's held class bitmaps
+    (`ContextCache`), used and extended."""
     # Within a class positions rise with the (sorted) flat index: context order is a stable
     # sort by class.
     ranges = None if context is None else context.ranges(s.name, old_bits, s.dtype, cuts)
@@ -185,7 +211,7 @@ def _sparse_v3(
         vals = ch.delta if mode == "xor" else ch.new
     for p, plane in enumerate(byte_planes(vals, s.itemsize)):
         streams[f"v{p}"] = [plane]
-    return gaps, mode, streams, cuts
+    return gaps, mode, streams
 
 
 def _compressor(cfg: CodecConfig):
@@ -222,7 +248,7 @@ def encode(
     both before decoding (None: not stated). `context`: the publisher's `ContextCache` for the
     base bits (format 3), so a leaf's classes are not rebuilt from `base_bits` every version.
     `cuts`: per leaf, the context cuts of its last format-3 sparse entry, kept while nearly as
-    good (`choose_cuts`' `prefer`: a new cut costs both ends a pass over the leaf); updated in
+    good (`CodecConfig.cut_slack`: a new cut costs both ends a pass over the leaf); updated in
     place with this patch's. Encoding depends on it, never on `context`.
     """
     if kind == "anchor" and (changes is not None or base_version is not None or base_digest):
@@ -234,6 +260,15 @@ def encode(
     fmt = config.format
     if fmt >= 3 and kind == "patch" and base_bits is None:
         raise ValueError("a format-3 patch needs base_bits (the receiver's old bits)")
+    old_of: dict[str, np.ndarray] = {}
+    plan: dict[str, list[int]] = {}
+    if fmt >= 3 and kind == "patch":  # the old bits and cuts of every leaf that may go sparse
+        for s in specs:
+            ch = changes[s.name]
+            if ch.count > 0 and ch.count * (1 + s.itemsize) < s.numel * s.itemsize:
+                old_of[s.name] = _base_of(s, base_bits(s.name))
+        leaves = [(s, changes[s.name], old_of[s.name]) for s in specs if s.name in old_of]
+        plan = _plan_cuts(leaves, config, context, cuts)
     entries: list[tuple[dict, dict[str, list[np.ndarray]]]] = []
     for s in specs:
         entry: dict = {}
@@ -253,10 +288,8 @@ def encode(
                 if ch.count * (width + s.itemsize) < s.numel * s.itemsize:
                     sparse = (gaps, width)
         if sparse is not None and fmt >= 3:
-            prefer = None if cuts is None else cuts.get(s.name)
-            gaps, mode, vstreams, used = _sparse_v3(
-                s, ch, base_bits(s.name), config, context, prefer
-            )
+            used = plan[s.name]
+            gaps, mode, vstreams = _sparse_v3(s, ch, old_of[s.name], config, used, context)
             if cuts is not None:
                 cuts[s.name] = used
             width = gap_width(int(gaps.max()))

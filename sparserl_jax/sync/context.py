@@ -32,7 +32,9 @@ from sparserl_jax.sync.planes import uint_dtype
 __all__ = [
     "MAX_CUTS",
     "ContextCache",
+    "best_cuts",
     "choose_cuts",
+    "cut_counts",
     "class_mask_bits",
     "class_of",
     "context_order",
@@ -41,6 +43,7 @@ __all__ = [
     "context_select",
     "entropy_bound",
     "exponent_key",
+    "keeps_cuts",
     "from_line",
     "max_exponent",
     "to_line",
@@ -112,13 +115,30 @@ def choose_cuts(
     `counts`: the leaf's exponent histogram (`exponent_histogram` of `old_bits`, or the one a
     `ContextCache` holds), else estimated from an evenly strided sample of `old_bits`. A
     dynamic program over the exponents present picks the split into consecutive ranges with the
-    least `sum n * H2(k / n)`; [] (flat order) for non-float dtypes or when nothing is gained.
-    `prefer`: cuts to keep (the leaf's last ones) while they cost at most `slack` more than one
-    class per exponent: each new cut costs both ends of a link a pass over the leaf
-    (`ContextCache`), and keeping them skips the dynamic program (0: the best every time).
+    least `sum n * H2(k / n)` (`best_cuts`); [] (flat order) for non-float dtypes or when nothing
+    is gained. `prefer`: cuts to keep (the leaf's last ones) while they cost at most `slack` more
+    than one class per exponent (`keeps_cuts`).
     """
-    if dtype not in _EXPONENT or changed_old.size == 0:
+    nk = cut_counts(old_bits, changed_old, dtype, sample=sample, counts=counts)
+    if nk is None:
         return []
+    if keeps_cuts(*nk, prefer, slack):
+        return list(prefer)
+    return best_cuts([nk])[0]
+
+
+def cut_counts(
+    old_bits: np.ndarray,
+    changed_old: np.ndarray,
+    dtype: str,
+    *,
+    sample: int = 1 << 16,
+    counts: np.ndarray | None = None,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """`(n_c, k_c)`, float64[256]: the leaf's elements and changes per exponent, as
+    `choose_cuts` counts them; None where no cut applies (non-float dtype, no change)."""
+    if dtype not in _EXPONENT or changed_old.size == 0:
+        return None
     if counts is not None:
         n_c = np.asarray(counts, np.float64)
     else:
@@ -128,33 +148,61 @@ def choose_cuts(
             old.size / -(-old.size // stride)
         )
     k_c = np.bincount(exponent_key(changed_old, dtype), minlength=256).astype(np.float64)
-    n_c = np.maximum(n_c, k_c)  # the sample may miss a class the changes show
-    present = np.flatnonzero(n_c > 0)
-    n_cum = np.concatenate([[0.0], np.cumsum(n_c[present])])
-    k_cum = np.concatenate([[0.0], np.cumsum(k_c[present])])
-    if prefer is not None and len(prefer) <= MAX_CUTS:
-        at = np.searchsorted(present, prefer)  # each preferred range's first present exponent
-        bounds = np.concatenate([[0], at, [present.size]])
-        kept = _binary_entropy_bits(np.diff(n_cum[bounds]), np.diff(k_cum[bounds])).sum()
-        # No split costs less than one class per exponent: kept while near that bound.
-        if slack > 0 and kept + 8 * len(prefer) <= class_mask_bits(n_c, k_c) * (1 + slack):
-            return list(prefer)
-    a, b = np.arange(present.size + 1)[:, None], np.arange(present.size + 1)[None, :]
-    seg = np.where(b > a, _binary_entropy_bits(n_cum[b] - n_cum[a], k_cum[b] - k_cum[a]), np.inf)
-    best, back = [seg[0]], []  # best[s][b]: classes 0..b-1 in s + 1 ranges
+    return np.maximum(n_c, k_c), k_c  # a sample may miss a class the changes show
+
+
+def keeps_cuts(n_c: np.ndarray, k_c: np.ndarray, prefer: list[int] | None, slack: float) -> bool:
+    """Whether `prefer` costs at most `slack` more mask bits than one class per exponent (the
+    bound no split beats): a new cut costs both ends of a link a pass over the leaf
+    (`ContextCache`), and kept cuts skip the dynamic program. Never for `slack == 0`."""
+    if not slack > 0 or prefer is None or len(prefer) > MAX_CUTS:
+        return False
+    n_cum, k_cum = np.cumsum(n_c), np.cumsum(k_c)
+    at = np.asarray(prefer, np.int64) - 1  # the last exponent below each cut
+    n_r = np.diff(np.concatenate([[0.0], n_cum[at], [n_cum[-1]]]))
+    k_r = np.diff(np.concatenate([[0.0], k_cum[at], [k_cum[-1]]]))
+    kept = _binary_entropy_bits(n_r, k_r).sum() + 8 * len(prefer)
+    return bool(kept <= class_mask_bits(n_c, k_c) * (1 + slack))
+
+
+def best_cuts(cases: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[list[int]]:
+    """The least-cost cuts (`choose_cuts`) of each leaf's `(n_c, k_c)` (`cut_counts`), by one
+    dynamic program over all of them: the exponents present in each leaf, left-aligned and
+    padded with empty ones (which no split ending at the last present exponent uses)."""
+    if not cases:
+        return []
+    n_c = np.stack([n for n, _ in cases])
+    k_c = np.stack([k for _, k in cases])
+    present = n_c > 0
+    sizes = present.sum(axis=1)  # [L]
+    width = int(sizes.max())
+    exps = np.argsort(~present, axis=1, kind="stable")[:, :width]  # present exponents first
+    live = np.arange(width) < sizes[:, None]
+    n_cum = np.zeros((len(cases), width + 1))
+    k_cum = np.zeros((len(cases), width + 1))
+    np.cumsum(np.take_along_axis(n_c, exps, axis=1) * live, axis=1, out=n_cum[:, 1:])
+    np.cumsum(np.take_along_axis(k_c, exps, axis=1) * live, axis=1, out=k_cum[:, 1:])
+    # seg[l, a, b]: exponents a..b-1 of leaf l as one class (b > a).
+    seg = _binary_entropy_bits(
+        n_cum[:, None, :] - n_cum[:, :, None], k_cum[:, None, :] - k_cum[:, :, None]
+    )
+    seg[:, ~np.triu(np.ones((width + 1, width + 1), bool), 1)] = np.inf
+    best, back = [seg[:, 0, :]], []  # best[s][l, b]: exponents 0..b-1 in s + 1 ranges
     for _ in range(MAX_CUTS):
-        total = best[-1][:, None] + seg
-        back.append(total.argmin(axis=0))
-        best.append(total.min(axis=0))
-    end = present.size
-    # Fewer ranges unless more save at least a byte (each cut costs header bytes).
-    costs = [float(x[end]) for x in best]
-    s = min(range(len(costs)), key=lambda j: (costs[j] + 8 * j, j))
-    cuts = []
-    for j in range(s, 0, -1):
-        end = int(back[j - 1][end])
-        cuts.append(int(present[end]))
-    return sorted(cuts)
+        total = best[-1][:, :, None] + seg
+        back.append(total.argmin(axis=1))
+        best.append(total.min(axis=1))
+    rows = np.arange(len(cases))
+    # Fewer ranges unless more save at least a byte (each cut costs header bytes); ties: fewer.
+    costs = np.stack([x[rows, sizes] for x in best], axis=1) + 8 * np.arange(MAX_CUTS + 1)
+    out = []
+    for row, ranges in enumerate(costs.argmin(axis=1).tolist()):
+        end, cuts = int(sizes[row]), []
+        for j in range(ranges, 0, -1):
+            end = int(back[j - 1][row, end])
+            cuts.append(int(exps[row, end]))
+        out.append(sorted(cuts))
+    return out
 
 
 class _Ranges:

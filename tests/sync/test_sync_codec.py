@@ -364,7 +364,7 @@ def test_format_3_layout_hand_computed(monkeypatch):
     new = old.copy()
     new[[3, 29, 12]] = [0x3F81, 0x3F7F, 0x4002]
     leaves = [(TensorSpec("w", (30,), "bfloat16"), old, new)]
-    monkeypatch.setattr(codec_module, "choose_cuts", lambda *a, **k: [128])
+    monkeypatch.setattr(codec_module, "_plan_cuts", lambda leaves, *a: {"w": [128]})
     blob = encode_case(leaves, CodecConfig(compression="none", values="step", format=3))
     header = read_header(blob)
     (entry,) = header["tensors"]
@@ -392,13 +392,16 @@ def test_format_3_round_trip_with_any_valid_cuts(case, data):
     config = dataclasses.replace(config, format=3, values=data.draw(st.sampled_from(VALUES_3)))
     seed = data.draw(st.integers(0, 2**31))
 
-    def any_cuts(old_bits, changed_old, dtype, **kw):
-        top = max_exponent(dtype)
-        rng = np.random.default_rng(seed)
-        k = int(rng.integers(0, MAX_CUTS + 1)) if top else 0
-        return sorted(set(rng.integers(1, top + 1, k).tolist())) if k else []
+    def any_cuts(leaves, *args):
+        out = {}
+        for s, _, _ in leaves:
+            top = max_exponent(s.dtype)
+            rng = np.random.default_rng(seed)
+            k = int(rng.integers(0, MAX_CUTS + 1)) if top else 0
+            out[s.name] = sorted(set(rng.integers(1, top + 1, k).tolist())) if k else []
+        return out
 
-    with mock.patch.object(codec_module, "choose_cuts", any_cuts):
+    with mock.patch.object(codec_module, "_plan_cuts", any_cuts):
         blob = encode_case(leaves, config)
     got = rebuild(decode_case(blob, leaves), leaves)
     for s, _, new in leaves:

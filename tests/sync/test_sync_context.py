@@ -1,5 +1,7 @@
 """Format 3's receiver context: context order against a sort, the ordered bit line, the bound."""
 
+import itertools
+
 import ml_dtypes
 import numpy as np
 from hypothesis import given, settings
@@ -10,10 +12,13 @@ from sparserl_jax.sync.context import (
     ContextCache,
     _Ranges,
     _select_in_word,
+    best_cuts,
     choose_cuts,
+    class_mask_bits,
     context_order,
     context_rank,
     context_select,
+    cut_counts,
     entropy_bound,
     exponent_histogram,
     exponent_key,
@@ -214,3 +219,36 @@ def test_cuts_keep_the_preferred_ones_while_nearly_as_good():
         choose_cuts(bits, bits[changed], "bfloat16", counts=counts, prefer=[129], slack=0.05)
         == best
     )
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), leaves=st.integers(1, 6))
+def test_best_cuts_of_many_leaves_are_each_leafs_own(seed, leaves):
+    """One dynamic program over several leaves (padded to the most exponents) picks what a
+    program per leaf picks."""
+    rng = np.random.default_rng(seed)
+    cases = []
+    for _ in range(leaves):
+        lo = int(rng.integers(100, 126))
+        e = rng.integers(lo, lo + int(rng.integers(1, 12)), int(rng.integers(1, 5000)))
+        bits = ((e << 7) | rng.integers(0, 128, e.size)).astype(np.uint16)
+        changed = rng.random(e.size) < np.exp2((e.min() - e) * rng.random())
+        cases.append(
+            cut_counts(bits, bits[changed], "bfloat16", counts=exponent_histogram(bits, "bfloat16"))
+        )
+    cases = [c for c in cases if c is not None]
+    assert best_cuts(cases) == [best_cuts([c])[0] for c in cases]
+    for (n_c, k_c), cuts in zip(cases, best_cuts(cases), strict=True):
+        # no split into at most 5 ranges is cheaper (brute force over the present exponents)
+        present = np.flatnonzero(n_c > 0)
+        best = min(
+            _split_cost(n_c, k_c, list(cs))
+            for m in range(MAX_CUTS + 1)
+            for cs in itertools.combinations(present[1:].tolist(), m)
+        )
+        assert _split_cost(n_c, k_c, cuts) <= best + 1e-6
+
+
+def _split_cost(n_c, k_c, cuts):
+    """Mask bits of the classes `cuts` make, plus a byte per cut (as `choose_cuts` counts)."""
+    return class_mask_bits(*(np.add.reduceat(x, [0, *cuts]) for x in (n_c, k_c))) + 8 * len(cuts)

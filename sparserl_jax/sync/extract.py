@@ -77,6 +77,12 @@ def extract_changes(bitmap: jax.Array, old: jax.Array, new: jax.Array, *, packed
     """
     if old.shape != new.shape or old.dtype != new.dtype:
         raise ValueError(f"old {old.shape}/{old.dtype} and new {new.shape}/{new.dtype} differ")
+    if all(len(x.sharding.device_set) == 1 for x in (bitmap, old, new)):  # no shards to walk
+        local = _local_positions(np.asarray(bitmap).reshape(-1), packed)
+        ovals = np.asarray(old).reshape(-1)[local]
+        return LeafChanges(
+            local.astype(np.int64), ovals ^ np.asarray(new).reshape(-1)[local], ovals
+        )
     maps = {s.device: s for s in bitmap.addressable_shards}
     news = {s.device: s for s in new.addressable_shards}
     parts_i, parts_o, parts_n = [], [], []

@@ -180,7 +180,8 @@ class Publisher:
     def publish(self, master) -> Published:
         """Publish the next version of `master` (a pytree of arrays, any sharding)."""
         pdt = self.config.jnp_publish_dtype
-        master = jax.tree.map(jnp.asarray, master)  # numpy leaves become (device) arrays
+        # Host (numpy) leaves become device arrays; device arrays are taken as they are.
+        master = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), master)
         if self.version is None:
             t0 = time.perf_counter()
             if self.transport is not None:

@@ -81,8 +81,9 @@ def _zstd_size(bits_tree, level: int) -> int:
     return sum(len(c.compress(np.asarray(x).tobytes())) for x in jax.tree.leaves(bits_tree))
 
 
-def run(cfg: BenchConfig, log=None) -> dict:
-    """Train `cfg.steps` AdamW steps, syncing each one; returns the JSON-ready summary."""
+def masters(cfg: BenchConfig):
+    """The fp32 master tree (`nnx.to_pure_dict`) before training and after each of `cfg.steps`
+    AdamW steps, with the step's loss (None first)."""
     model, vocab = _model(cfg)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     tx = optax.adamw(cfg.lr, weight_decay=cfg.weight_decay)
@@ -98,6 +99,20 @@ def run(cfg: BenchConfig, log=None) -> dict:
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
+
+    yield nnx.to_pure_dict(params), None
+    batches = map(jnp.asarray, stream(vocab, cfg.batch, cfg.seq_len, cfg.seed + 1))
+    for _ in range(cfg.steps):
+        params, opt_state, loss = train_step(params, opt_state, next(batches))
+        master = nnx.to_pure_dict(params)
+        jax.block_until_ready(master)
+        yield master, loss
+
+
+def run(cfg: BenchConfig, log=None) -> dict:
+    """Train `cfg.steps` AdamW steps, syncing each one; returns the JSON-ready summary."""
+    trained = masters(cfg)
+    initial, _ = next(trained)
 
     @jax.jit
     def published_bits(tree):
@@ -120,22 +135,18 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "before": ReceiverV1(lambda name, shape: sharding),
     }
     rc_f2 = Receiver(lambda name, shape: sharding)
-    first = pub.publish(nnx.to_pure_dict(params))
-    pub_f2.publish(nnx.to_pure_dict(params))
-    master_per_published = sum(x.nbytes for x in jax.tree.leaves(params)) / first.dense_bytes
+    first = pub.publish(initial)
+    pub_f2.publish(initial)
+    master_per_published = sum(x.nbytes for x in jax.tree.leaves(initial)) / first.dense_bytes
     for rc in receivers.values():
         rc.sync(transport)
     rc_f2.sync(transport_f2)
-    prev = [np.asarray(x) for x in jax.tree.leaves(published_bits(nnx.to_pure_dict(params)))]
-    batches = map(jnp.asarray, stream(vocab, cfg.batch, cfg.seq_len, cfg.seed + 1))
+    prev = [np.asarray(x) for x in jax.tree.leaves(published_bits(initial))]
     steps, enc_s, enc_cpu_s, scanned = [], 0.0, 0.0, 0
     enc_s_f2, app_s_f2 = 0.0, 0.0
     app_s, app_cpu_s = dict.fromkeys(receivers, 0.0), dict.fromkeys(receivers, 0.0)
     compiles = {k: [] for k in ("publish", *receivers)}
-    for step in range(cfg.steps):
-        params, opt_state, loss = train_step(params, opt_state, next(batches))
-        master = nnx.to_pure_dict(params)
-        jax.block_until_ready(master)
+    for step, (master, loss) in enumerate(trained):
         t0, c0 = time.perf_counter(), time.process_time()
         with CompileCount() as cc:
             out = pub.publish(master)

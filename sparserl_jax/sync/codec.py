@@ -90,8 +90,8 @@ class CodecConfig:
       values: "auto" (per tensor, the smallest of new bits, XOR and, in format 3, signed steps on
         the ordered line, by measured byte-plane entropy), "new", "xor" or "step" (format 3).
       format: wire format written: 2 (the default) or 3 (context-coded positions, value steps,
-        compact header: 30-35% fewer bytes on the bench's updates, but on a CPU host 1.3-2x
-        slower to encode and 1.6-3x slower to apply, and a receiver on an accelerator copies each
+        compact header: 30-35% fewer bytes on the bench's updates, but on a CPU host ~1.5x
+        slower to encode and 2-3x slower to apply, and a receiver on an accelerator copies each
         touched leaf's old bits to the host to decode it). Choose 3 where the link, not the
         host, is the bottleneck.
       cut_slack: format 3: a leaf keeps its last context cuts while their mask costs at most

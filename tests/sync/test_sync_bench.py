@@ -28,3 +28,18 @@ def test_bench_tiny_is_bit_identical_and_reports_its_fields():
     for k in ("publish", "all", "touched", "before"):
         assert len(out["compiles_per_step"][k]) == 2
         assert 0 <= out["last_compiling_step"][k] <= 2
+
+
+@pytest.mark.slow
+def test_profile_tiny_times_each_side_and_restores_what_it_wraps():
+    from benchmarks import sync_profile
+
+    before = [getattr(owner, attr) for owner, attr in sync_profile.WRAPPED]
+    out = sync_profile.profile(BenchConfig(preset="tiny", lr=1e-4, steps=3, batch=2, seq_len=16), 1)
+    json.dumps(out)
+    assert out["versions"] == 2 and out["all_bit_identical"]
+    assert set(out["ms_per_version"]) == {
+        "encode", "mask_s", "extract_s", "codec_s", "apply_all", "apply_touched"
+    }  # fmt: skip
+    assert out["functions_ms_per_version"]["decode._sparse_v3_values"] > 0
+    assert [getattr(owner, attr) for owner, attr in sync_profile.WRAPPED] == before

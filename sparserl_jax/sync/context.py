@@ -7,7 +7,8 @@ the old value's exponent (an Adam step of size ~lr flips the bf16 rounding with 
 
 - splits each leaf's elements into at most `MAX_CUTS + 1` classes of consecutive old exponents
   (`cuts`: the exponents where a class starts, chosen per leaf by the encoder from the changes'
-  exponents, `choose_cuts`) and codes changed positions as their ranks in the *context order*:
+  exponents, `choose_cuts`; `best_cuts` for many leaves at once) and codes changed positions as
+  their ranks in the *context order*:
   class 0 in flat order, then class 1, ... Within a class the gaps follow that class's own change
   rate, and the classes of high and low change rates no longer mix (`context_rank` /
   `context_select`). Five classes keep all but ~0.02 B per change of what all 256 exponents give
@@ -16,8 +17,9 @@ the old value's exponent (an Adam step of size ~lr flips the bf16 rounding with 
   (`to_line` / `from_line`): most changes are one ulp up or down.
 
 `entropy_bound` is the empirical cost of a patch given the full (leaf, exponent) context, the
-yardstick of the codec. `ContextCache` keeps each leaf's class bitmaps across versions on the
-publisher and on each receiver, so a version costs passes over its changes, not over the leaf.
+yardstick of the codec. `ContextCache` keeps each leaf's class bitmaps and exponent histogram
+across versions on the publisher and on each receiver, so a version costs passes over its
+changes, not over the leaf (except for a cut it did not hold).
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from sparserl_jax.sync.publisher import Publisher, SyncConfig
 from sparserl_jax.sync.receiver import Receiver
 
 # The modules themselves (`sparserl_jax.sync` re-exports a function named `decode`).
-codec, context, decode, publisher, receiver = (
+codec, context, decode, held, publisher, receiver = (
     importlib.import_module(f"sparserl_jax.sync.{m}")
-    for m in ("codec", "context", "decode", "publisher", "receiver")
+    for m in ("codec", "context", "decode", "held", "publisher", "receiver")
 )
 
 # (owner, attribute): module functions are looked up through their module at call time, methods
@@ -45,8 +45,8 @@ WRAPPED = [
     (decode, "_sparse_v3_values"),
     (decode, "context_select"),
     (receiver, "scatter_changes"),
-    (context.ContextCache, "ranges"),
-    (context.ContextCache, "advance"),
+    (held.ContextCache, "ranges"),
+    (held.ContextCache, "advance"),
     (context._Ranges, "select"),
     (context._Ranges, "rank"),
 ]

@@ -39,16 +39,8 @@ from typing import Literal
 
 import numpy as np
 
-from sparserl_jax.sync.context import (
-    CUT_SLACK,
-    ContextCache,
-    best_cuts,
-    context_order,
-    cut_counts,
-    exponent_histogram,
-    keeps_cuts,
-    to_line,
-)
+from sparserl_jax.sync.context import context_order, exponent_histogram, to_line
+from sparserl_jax.sync.cuts import CUT_SLACK, best_cuts, cut_counts, keeps_cuts
 from sparserl_jax.sync.decode import Patch as Patch  # re-exported
 from sparserl_jax.sync.decode import TensorPatch as TensorPatch
 from sparserl_jax.sync.decode import decode as decode
@@ -64,6 +56,7 @@ from sparserl_jax.sync.header import (
     streams_of,
 )
 from sparserl_jax.sync.header import read_header as read_header
+from sparserl_jax.sync.held import ContextCache
 from sparserl_jax.sync.planes import (
     GAP_WIDTHS,
     byte_planes,
@@ -95,7 +88,7 @@ class CodecConfig:
         touched leaf's old bits to the host to decode it). Choose 3 where the link, not the
         host, is the bottleneck.
       cut_slack: format 3: a leaf keeps its last context cuts while their mask costs at most
-        this fraction more than one class per exponent (`context.choose_cuts`); 0 (the default)
+        this fraction more than one class per exponent (`cuts.choose_cuts`); 0 (the default)
         picks the best cuts every version. On the bench 0.05 encodes 5-9% faster (no cut changes,
         which cost both ends a pass over the leaf, and no search for the best) for 2% (lr 1e-6)
         to 5% (lr 1e-5) more bytes.
@@ -165,7 +158,7 @@ def _plan_cuts(
 ) -> dict[str, list[int]]:
     """Format 3: the cuts of each `(spec, changes, old bits)`: the leaf's `held` (last) ones
     where `config.cut_slack` keeps them, else the best, by one dynamic program over every leaf
-    (`context.best_cuts`). Exponent histograms come from `context` when given."""
+    (`cuts.best_cuts`). Exponent histograms come from `context` when given."""
     plan, todo = {}, []
     for s, ch, old in leaves:
         hist = (

@@ -7,7 +7,7 @@ the old value's exponent (an Adam step of size ~lr flips the bf16 rounding with 
 
 - splits each leaf's elements into at most `MAX_CUTS + 1` classes of consecutive old exponents
   (`cuts`: the exponents where a class starts, chosen per leaf by the encoder from the changes'
-  exponents, `choose_cuts`; `best_cuts` for many leaves at once) and codes changed positions as
+  exponents: `cuts.py`) and codes changed positions as
   their ranks in the *context order*:
   class 0 in flat order, then class 1, ... Within a class the gaps follow that class's own change
   rate, and the classes of high and low change rates no longer mix (`context_rank` /
@@ -17,7 +17,7 @@ the old value's exponent (an Adam step of size ~lr flips the bf16 rounding with 
   (`to_line` / `from_line`): most changes are one ulp up or down.
 
 `entropy_bound` is the empirical cost of a patch given the full (leaf, exponent) context, the
-yardstick of the codec. `ContextCache` keeps each leaf's class bitmaps and exponent histogram
+yardstick of the codec. `held.ContextCache` keeps each leaf's class bitmaps and exponent histogram
 across versions on the publisher and on each receiver, so a version costs passes over its
 changes, not over the leaf (except for a cut it did not hold).
 """
@@ -33,10 +33,6 @@ from sparserl_jax.sync.planes import uint_dtype
 
 __all__ = [
     "MAX_CUTS",
-    "ContextCache",
-    "best_cuts",
-    "choose_cuts",
-    "cut_counts",
     "class_mask_bits",
     "class_of",
     "context_order",
@@ -45,17 +41,12 @@ __all__ = [
     "context_select",
     "entropy_bound",
     "exponent_key",
-    "keeps_cuts",
     "from_line",
     "max_exponent",
     "to_line",
 ]
 
 MAX_CUTS = 4
-# How much more mask bits than one class per exponent (the bound no split beats; the best of at
-# most 5 classes is ~2-4% above it) a leaf's last cuts may cost and still be kept: `choose_cuts`'
-# default `slack`, `CodecConfig.cut_slack`'s. 0: the best cuts every version (the smallest patch).
-CUT_SLACK = 0.0
 # (shift, mask) of the exponent field in each floating dtype's bit pattern.
 _EXPONENT = {
     "bfloat16": (7, 0xFF),
@@ -99,112 +90,6 @@ def exponent_histogram(bits: np.ndarray, dtype: str) -> np.ndarray | None:
     non-float dtypes."""
     key = exponent_key(bits, dtype)
     return None if key is None else np.bincount(key, minlength=256)
-
-
-def choose_cuts(
-    old_bits: np.ndarray,
-    changed_old: np.ndarray,
-    dtype: str,
-    *,
-    sample: int = 1 << 16,
-    counts: np.ndarray | None = None,
-    prefer: list[int] | None = None,
-    slack: float = CUT_SLACK,
-) -> list[int]:
-    """At most `MAX_CUTS` exponents where context classes start, minimising the mask entropy.
-
-    `changed_old`: the old bits of the changed elements (their exponents are counted exactly);
-    `counts`: the leaf's exponent histogram (`exponent_histogram` of `old_bits`, or the one a
-    `ContextCache` holds), else estimated from an evenly strided sample of `old_bits`. A
-    dynamic program over the exponents present picks the split into consecutive ranges with the
-    least `sum n * H2(k / n)` (`best_cuts`); [] (flat order) for non-float dtypes or when nothing
-    is gained. `prefer`: cuts to keep (the leaf's last ones) while they cost at most `slack` more
-    than one class per exponent (`keeps_cuts`).
-    """
-    nk = cut_counts(old_bits, changed_old, dtype, sample=sample, counts=counts)
-    if nk is None:
-        return []
-    if keeps_cuts(*nk, prefer, slack):
-        return list(prefer)
-    return best_cuts([nk])[0]
-
-
-def cut_counts(
-    old_bits: np.ndarray,
-    changed_old: np.ndarray,
-    dtype: str,
-    *,
-    sample: int = 1 << 16,
-    counts: np.ndarray | None = None,
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """`(n_c, k_c)`, float64[256]: the leaf's elements and changes per exponent, as
-    `choose_cuts` counts them; None where no cut applies (non-float dtype, no change)."""
-    if dtype not in _EXPONENT or changed_old.size == 0:
-        return None
-    if counts is not None:
-        n_c = np.asarray(counts, np.float64)
-    else:
-        old = old_bits.reshape(-1)
-        stride = max(1, old.size // sample)
-        n_c = np.bincount(exponent_key(old[::stride], dtype), minlength=256) * (
-            old.size / -(-old.size // stride)
-        )
-    k_c = np.bincount(exponent_key(changed_old, dtype), minlength=256).astype(np.float64)
-    return np.maximum(n_c, k_c), k_c  # a sample may miss a class the changes show
-
-
-def keeps_cuts(n_c: np.ndarray, k_c: np.ndarray, prefer: list[int] | None, slack: float) -> bool:
-    """Whether `prefer` costs at most `slack` more mask bits than one class per exponent (the
-    bound no split beats): a new cut costs both ends of a link a pass over the leaf
-    (`ContextCache`), and kept cuts skip the dynamic program. Never for `slack == 0`."""
-    if not slack > 0 or prefer is None or len(prefer) > MAX_CUTS:
-        return False
-    n_cum, k_cum = np.cumsum(n_c), np.cumsum(k_c)
-    at = np.asarray(prefer, np.int64) - 1  # the last exponent below each cut
-    n_r = np.diff(np.concatenate([[0.0], n_cum[at], [n_cum[-1]]]))
-    k_r = np.diff(np.concatenate([[0.0], k_cum[at], [k_cum[-1]]]))
-    kept = _binary_entropy_bits(n_r, k_r).sum() + 8 * len(prefer)
-    return bool(kept <= class_mask_bits(n_c, k_c) * (1 + slack))
-
-
-def best_cuts(cases: Sequence[tuple[np.ndarray, np.ndarray]]) -> list[list[int]]:
-    """The least-cost cuts (`choose_cuts`) of each leaf's `(n_c, k_c)` (`cut_counts`), by one
-    dynamic program over all of them: the exponents present in each leaf, left-aligned and
-    padded with empty ones (which no split ending at the last present exponent uses)."""
-    if not cases:
-        return []
-    n_c = np.stack([n for n, _ in cases])
-    k_c = np.stack([k for _, k in cases])
-    present = n_c > 0
-    sizes = present.sum(axis=1)  # [L]
-    width = int(sizes.max())
-    exps = np.argsort(~present, axis=1, kind="stable")[:, :width]  # present exponents first
-    live = np.arange(width) < sizes[:, None]
-    n_cum = np.zeros((len(cases), width + 1))
-    k_cum = np.zeros((len(cases), width + 1))
-    np.cumsum(np.take_along_axis(n_c, exps, axis=1) * live, axis=1, out=n_cum[:, 1:])
-    np.cumsum(np.take_along_axis(k_c, exps, axis=1) * live, axis=1, out=k_cum[:, 1:])
-    # seg[l, a, b]: exponents a..b-1 of leaf l as one class (b > a).
-    seg = _binary_entropy_bits(
-        n_cum[:, None, :] - n_cum[:, :, None], k_cum[:, None, :] - k_cum[:, :, None]
-    )
-    seg[:, ~np.triu(np.ones((width + 1, width + 1), bool), 1)] = np.inf
-    best, back = [seg[:, 0, :]], []  # best[s][l, b]: exponents 0..b-1 in s + 1 ranges
-    for _ in range(MAX_CUTS):
-        total = best[-1][:, :, None] + seg
-        back.append(total.argmin(axis=1))
-        best.append(total.min(axis=1))
-    rows = np.arange(len(cases))
-    # Fewer ranges unless more save at least a byte (each cut costs header bytes); ties: fewer.
-    costs = np.stack([x[rows, sizes] for x in best], axis=1) + 8 * np.arange(MAX_CUTS + 1)
-    out = []
-    for row, ranges in enumerate(costs.argmin(axis=1).tolist()):
-        end, cuts = int(sizes[row]), []
-        for j in range(ranges, 0, -1):
-            end = int(back[j - 1][row, end])
-            cuts.append(int(exps[row, end]))
-        out.append(sorted(cuts))
-    return out
 
 
 class _Ranges:
@@ -277,157 +162,6 @@ def below_words(key: np.ndarray, cut: int) -> np.ndarray:
     return out.view("<u8")
 
 
-class _Held:
-    """One leaf's held `exponent < cut` bitmaps: row `slot[cut]` of `words` per cut held."""
-
-    def __init__(self, slots: int, nw: int):
-        self.words = np.empty((slots, nw), np.uint64)  # pages are touched only when written
-        self.slot: dict[int, int] = {}  # cut -> row
-        self.used = [0] * slots  # the clock of each row's last use (0: free)
-
-    def __bool__(self) -> bool:
-        return bool(self.slot)
-
-    def put(self, cut: int, words: np.ndarray, keep: list[int]) -> None:
-        """Hold `cut`'s words in a free row, else in the least recently used row not in `keep`."""
-        free = [r for r in range(len(self.used)) if r not in self.slot.values()]
-        if free:
-            row = free[0]
-        else:
-            row = min((r for t, r in self.slot.items() if t not in keep), key=self.used.__getitem__)
-            del self.slot[next(t for t, r in self.slot.items() if r == row)]
-        self.words[row] = words
-        self.slot[cut] = row
-
-    def advance(self, index: np.ndarray, key: np.ndarray, was: np.ndarray | None) -> None:
-        """Elements `index` (sorted, unique) now have exponent `key` (before: `was`, or what the
-        bitmaps say when None): flip their bit in every held bitmap whose side they changed."""
-        cuts = np.fromiter(self.slot, np.int64, len(self.slot))
-        rows = np.fromiter(self.slot.values(), np.int64, len(self.slot))
-        w, bit = index >> 6, _BITS[index & 63]
-        if was is None:
-            below = (self.words[rows[:, None], w[None, :]] & bit) != 0
-        else:
-            below = was[None, :] < cuts[:, None]
-        r, c = np.nonzero((key[None, :] < cuts[:, None]) != below)  # row-major: words rise per row
-        if r.size == 0:
-            return
-        flat = rows[r] * self.words.shape[1] + w[c]
-        # Several flips may share a word: OR their (distinct) bits per word, then XOR once.
-        first = _run_starts(flat)
-        self.words.reshape(-1)[flat[first]] ^= np.bitwise_or.reduceat(bit[c], first)
-
-
-def _run_starts(x: np.ndarray) -> np.ndarray:
-    """Where each run of equal adjacent values of a non-empty `x` starts."""
-    starts = np.empty(x.size, bool)
-    starts[0] = True
-    np.not_equal(x[1:], x[:-1], out=starts[1:])
-    return np.flatnonzero(starts)
-
-
-class ContextCache:
-    """Each leaf's packed `exponent < cut` bitmaps and exponent histogram, kept across versions
-    on one side of a link.
-
-    Building a leaf's context costs a pass over its old bits per cut (`_Ranges.of`); between two
-    versions only the changed elements can move between classes, so a publisher or receiver that
-    keeps the bitmaps of the cuts it used updates them in O(changes) (`advance`) and rebuilds
-    only a cut it has not held (the encoder picks cuts per version; most repeat). The holder
-    owns the invariant: the bitmaps describe the bits the next patch is coded against. So it
-    calls `advance` with every changed element of a leaf once the version that changed them is
-    committed, and `drop` for a leaf replaced whole (a dense entry, an anchor) or when in doubt;
-    `ranges` only ever adds bitmaps of the bits it is given. At most `max_cuts` bitmaps per leaf
-    (the least recently used go first): up to `max_cuts / 8` bytes per element on the host.
-    """
-
-    def __init__(self, max_cuts: int = MAX_CUTS + 2):
-        if max_cuts < MAX_CUTS:
-            raise ValueError(
-                f"max_cuts must be >= {MAX_CUTS} (the cuts of one entry), got {max_cuts}"
-            )
-        self.max_cuts = max_cuts
-        self._leaves: dict[str, _Held] = {}
-        self._hist: dict[str, np.ndarray] = {}  # name -> exponent histogram (int64[256])
-        self._dtypes: dict[str, str] = {}
-        self._clock = 0
-
-    def _bind(self, name: str, dtype: str) -> None:
-        if self._dtypes.get(name) != dtype:
-            self.drop(name)
-        self._dtypes[name] = dtype
-
-    def histogram(self, name: str, old_bits: np.ndarray, dtype: str) -> np.ndarray | None:
-        """Leaf `name`'s exponent histogram (`exponent_histogram` of its current bits,
-        `old_bits`), counted once and then kept by `advance`; None for non-float dtypes."""
-        if dtype not in _EXPONENT:
-            return None
-        self._bind(name, dtype)
-        if name not in self._hist:
-            self._hist[name] = exponent_histogram(old_bits, dtype)
-        return self._hist[name]
-
-    def ranges(self, name: str, old_bits: np.ndarray, dtype: str, cuts: list[int]) -> _Ranges:
-        """The `_Ranges` of leaf `name` (its current bits: `old_bits`) for `cuts`."""
-        old = old_bits.reshape(-1)
-        if not cuts:  # flat order: no classes to hold
-            return _Ranges([], old.size)
-        self._bind(name, dtype)
-        held = self._leaves.get(name)
-        if held is None:
-            held = self._leaves[name] = _Held(self.max_cuts, -(-old.size // 64))
-        self._clock += 1
-        missing = [t for t in cuts if t not in held.slot]
-        if missing:
-            key = exponent_key(old, dtype)
-            for t in missing:
-                held.put(t, below_words(key, t), keep=cuts)
-        for t in cuts:
-            held.used[held.slot[t]] = self._clock
-        return _Ranges([held.words[held.slot[t]] for t in cuts], old.size)
-
-    def advance(
-        self, name: str, index: np.ndarray, new_bits: np.ndarray, old_bits: np.ndarray | None = None
-    ) -> None:
-        """Elements `index` (sorted unique flat indices) of leaf `name` now hold `new_bits`.
-
-        `old_bits`: what they held before, if known: then only the elements whose exponent moved
-        are looked at, and the histogram is kept (without them it is dropped, recounted on use).
-        """
-        held, hist = self._leaves.get(name), self._hist.get(name)
-        if (not held and hist is None) or index.size == 0:
-            return
-        if index.size > 1 and not np.all(index[1:] > index[:-1]):
-            raise ValueError("advance needs sorted unique indices")
-        dtype = self._dtypes[name]
-        key = exponent_key(np.asarray(new_bits), dtype)
-        if old_bits is None:
-            self._hist.pop(name, None)
-            was = None
-        else:
-            was = exponent_key(np.asarray(old_bits), dtype)
-            moved = np.flatnonzero(was != key)  # most changes keep their exponent
-            if moved.size == 0:
-                return
-            index, key, was = index[moved], key[moved], was[moved]
-            if hist is not None:
-                hist -= np.bincount(was, minlength=256)
-                hist += np.bincount(key, minlength=256)
-        if held:
-            held.advance(index, key, was)
-
-    def drop(self, name: str | None = None) -> None:
-        """Forget leaf `name`'s bitmaps and histogram (every leaf's when None)."""
-        if name is None:
-            self._leaves.clear()
-            self._hist.clear()
-            self._dtypes.clear()
-        else:
-            self._leaves.pop(name, None)
-            self._hist.pop(name, None)
-            self._dtypes.pop(name, None)
-
-
 # Bit n of a word (`_BITS`) and the bits before it (`_LOW_MASKS`), as uint64, `0 <= n <= 63`.
 _BITS = np.uint64(1) << np.arange(64, dtype=np.uint64)
 _LOW_MASKS = _BITS - np.uint64(1)
@@ -485,7 +219,7 @@ def context_order(
     The context order lists the elements of class 0 (old exponent below `cuts[0]`) in flat
     order, then those of class 1, and so on: position = (number of elements in lower classes) +
     (number in the same class before it). With no cuts the order is the flat order. `ranges`:
-    the leaf's classes for `cuts` if held (`ContextCache.ranges`), else built from `old_bits`.
+    the leaf's classes for `cuts` if held (`held.ContextCache.ranges`), else built from `old_bits`.
     """
     index = np.asarray(index, np.int64)
     if not cuts or index.size == 0:

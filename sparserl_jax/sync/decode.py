@@ -15,7 +15,7 @@ from typing import Literal
 
 import numpy as np
 
-from sparserl_jax.sync.context import ContextCache, context_select, from_line, to_line
+from sparserl_jax.sync.context import context_select, from_line, to_line
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
 from sparserl_jax.sync.header import (
     FORMAT_VERSION,
@@ -31,6 +31,7 @@ from sparserl_jax.sync.header import (
 )
 from sparserl_jax.sync.header import corrupt_unless as _check
 from sparserl_jax.sync.header import is_uint as _int
+from sparserl_jax.sync.held import ContextCache
 from sparserl_jax.sync.planes import from_planes, positions_of, uint_dtype
 
 __all__ = ["Patch", "TensorPatch", "decode", "state_digest"]

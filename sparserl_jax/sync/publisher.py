@@ -21,10 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparserl_jax.sync import codec
-from sparserl_jax.sync.context import ContextCache
 from sparserl_jax.sync.errors import RunMismatchError, SyncError
 from sparserl_jax.sync.extract import extract_changes, host_bits
 from sparserl_jax.sync.header import check_run_id, new_run_id, read_header
+from sparserl_jax.sync.held import ContextCache
 from sparserl_jax.sync.mask import (
     digest_update,
     leaf_digests,

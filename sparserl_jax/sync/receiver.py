@@ -34,7 +34,6 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec, Sharding, SingleDeviceSharding
 
 from sparserl_jax.sync import codec
-from sparserl_jax.sync.context import ContextCache
 from sparserl_jax.sync.errors import (
     BaseMismatchError,
     CorruptPatchError,
@@ -46,6 +45,7 @@ from sparserl_jax.sync.errors import (
     VersionError,
 )
 from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
+from sparserl_jax.sync.held import ContextCache
 from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, lane_sums, to_bits
 from sparserl_jax.sync.transport import Transport
 

@@ -9,16 +9,12 @@ from hypothesis import strategies as st
 
 from sparserl_jax.sync.context import (
     MAX_CUTS,
-    ContextCache,
     _Ranges,
     _select_in_word,
-    best_cuts,
-    choose_cuts,
     class_mask_bits,
     context_order,
     context_rank,
     context_select,
-    cut_counts,
     entropy_bound,
     exponent_histogram,
     exponent_key,
@@ -26,6 +22,8 @@ from sparserl_jax.sync.context import (
     max_exponent,
     to_line,
 )
+from sparserl_jax.sync.cuts import best_cuts, choose_cuts, cut_counts
+from sparserl_jax.sync.held import ContextCache
 
 FLOATS = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 

@@ -45,8 +45,8 @@ from sparserl_jax.sync import (
     to_bits,
 )
 from sparserl_jax.sync import receiver as receiver_module
-from sparserl_jax.sync.context import ContextCache
 from sparserl_jax.sync.header import PREFIX_BYTES, pack_header, read_header
+from sparserl_jax.sync.held import ContextCache
 from sparserl_jax.testing.sync import np_digest
 from sparserl_jax.train import train
 

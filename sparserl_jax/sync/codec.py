@@ -32,7 +32,6 @@ returning anything; every size it reads is bounded before it allocates or inflat
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
@@ -43,8 +42,8 @@ from sparserl_jax.sync.context import context_order, exponent_histogram, to_line
 from sparserl_jax.sync.cuts import CUT_SLACK, best_cuts, cut_counts, keeps_cuts
 from sparserl_jax.sync.decode import Patch as Patch  # re-exported
 from sparserl_jax.sync.decode import TensorPatch as TensorPatch
+from sparserl_jax.sync.decode import base_bits_of, state_digest
 from sparserl_jax.sync.decode import decode as decode
-from sparserl_jax.sync.decode import state_digest
 from sparserl_jax.sync.extract import LeafChanges
 from sparserl_jax.sync.header import ITEMSIZES as ITEMSIZES  # re-exported
 from sparserl_jax.sync.header import (
@@ -142,14 +141,6 @@ def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig, steps=None)
     return min(cost, key=cost.get)  # ties: the first, "new"
 
 
-def _base_of(s: TensorSpec, old_bits) -> np.ndarray:
-    """A leaf's old bits (the receiver's context) as a flat uint array, checked against `s`."""
-    old_bits = np.asarray(old_bits)
-    if old_bits.size != s.numel or old_bits.dtype.itemsize != s.itemsize:
-        raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
-    return old_bits.reshape(-1).view(uint_dtype(s.itemsize))
-
-
 def _plan_cuts(
     leaves: Sequence[tuple[TensorSpec, LeafChanges, np.ndarray]],
     config: CodecConfig,
@@ -161,10 +152,11 @@ def _plan_cuts(
     (`cuts.best_cuts`). Exponent histograms come from `context` when given."""
     plan, todo = {}, []
     for s, ch, old in leaves:
-        hist = (
-            exponent_histogram if context is None else functools.partial(context.histogram, s.name)
-        )
-        nk = cut_counts(old, ch.old, s.dtype, counts=hist(old, s.dtype))
+        if context is None:
+            counts = exponent_histogram(old, s.dtype)
+        else:
+            counts = context.histogram(s.name, old, s.dtype)
+        nk = cut_counts(old, ch.old, s.dtype, counts=counts)
         prefer = None if held is None else held.get(s.name)
         if nk is None:
             plan[s.name] = []
@@ -185,7 +177,7 @@ def _sparse_v3(
     context: ContextCache | None = None,
 ):
     """A format-3 sparse entry's gaps (over context positions) and value streams, in that order,
-    for `cuts` over `old_bits` (`_base_of`). `context`: the encoder's held class bitmaps
+    for `cuts` over `old_bits` (`decode.base_bits_of`). `context`: the encoder's held class bitmaps
     (`ContextCache`), used and extended."""
     # Within a class positions rise with the (sorted) flat index: context order is a stable
     # sort by class.
@@ -259,7 +251,7 @@ def encode(
         for s in specs:
             ch = changes[s.name]
             if ch.count > 0 and ch.count * (1 + s.itemsize) < s.numel * s.itemsize:
-                old_of[s.name] = _base_of(s, base_bits(s.name))
+                old_of[s.name] = base_bits_of(s, base_bits(s.name))
         leaves = [(s, changes[s.name], old_of[s.name]) for s in specs if s.name in old_of]
         plan = _plan_cuts(leaves, config, context, cuts)
     entries: list[tuple[dict, dict[str, list[np.ndarray]]]] = []

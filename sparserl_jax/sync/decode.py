@@ -125,6 +125,15 @@ def inflate(frame: bytes, raw: int, what: str, dctx=None) -> bytes:
     return data
 
 
+def base_bits_of(s: TensorSpec, old_bits) -> np.ndarray:
+    """A leaf's old bits (a format-3 entry's context) as a flat uint array, checked against `s`:
+    any shape with its element count, its dtype's width (ValueError otherwise)."""
+    old_bits = np.asarray(old_bits)
+    if old_bits.size != s.numel or old_bits.dtype.itemsize != s.itemsize:
+        raise ValueError(f"base bits of {s.name}: {old_bits.shape}/{old_bits.dtype} != {s}")
+    return old_bits.reshape(-1).view(uint_dtype(s.itemsize))
+
+
 def _sparse_v3_values(
     s: TensorSpec,
     pos: np.ndarray,
@@ -137,10 +146,7 @@ def _sparse_v3_values(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Flat-sorted (index, new bits, old bits) of a format-3 sparse entry, given the leaf's old
     bits."""
-    old_full = np.asarray(old_full).reshape(-1)
-    if old_full.size != s.numel or old_full.dtype.itemsize != s.itemsize:
-        raise ValueError(f"base bits of {s.name}: {old_full.shape}/{old_full.dtype} != {s}")
-    old_full = old_full.view(uint_dtype(s.itemsize))
+    old_full = base_bits_of(s, old_full)
     ranges = None if context is None else context.ranges(s.name, old_full, s.dtype, cuts)
     index = context_select(old_full, s.dtype, cuts, pos, ranges)
     old = old_full[index]

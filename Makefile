@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test test-fast test-tpu-aot demo demo-async venv lint format clean
+.PHONY: test test-fast test-tpu-aot demo demo-async venv lint format clean device-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -57,6 +57,16 @@ bench-venv:
 	test -x .venv-bench/bin/python || $(PYTHON) -m venv .venv-bench
 	.venv-bench/bin/python -m pip install "torch==2.13.0"
 	.venv-bench/bin/python -m pip install -e ".[bench,tpu]"
+
+# The accelerator check (tools/device_check.py): run on the GPU/TPU machine itself, with its own
+# Python (jax with CUDA or libtpu, flax, optax, orbax, tensorstore, ml_dtypes installed; no
+# .venv, no network). Wheels it lacks (zstandard, for PULSESync format 3) are installed from
+# wheels/ when that folder is there (README, "Running on a GPU or TPU").
+DEVICE_PYTHON ?= python3
+device-check:
+	@if [ -d wheels ]; then $(DEVICE_PYTHON) -c "import zstandard" 2>/dev/null || \
+		$(DEVICE_PYTHON) -m pip install -q --no-index --find-links wheels zstandard; fi
+	PYTHONPATH=. $(DEVICE_PYTHON) tools/device_check.py --out $${OUT:-runs/device-check}
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .

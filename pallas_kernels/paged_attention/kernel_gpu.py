@@ -5,7 +5,9 @@ backend of Pallas is deprecated from JAX 0.11; its successor is Mosaic GPU, whic
 scalar-indexed page gather in its BlockSpec pipeline yet, so this kernel stays on Triton until it
 is ported. On a CPU it runs with `interpret=True`; it has not
 been run on a GPU yet. Triton wants power-of-two block extents (G, L, H) and dot tiles of at
-least 16: pad G / H on a real GPU as `jax.experimental.pallas.ops.gpu.paged_attention` does.
+least 16: the query heads of each group are padded with zero queries to the next power of two
+>= 16 (Qwen2.5's G = 7 runs as 16), as `jax.experimental.pallas.ops.gpu.paged_attention` does;
+the padded rows are sliced off the outputs.
 
 One program per (row, kv head): the G query heads of the group walk the row's pages in order
 with an online softmax (flash-decoding without the split-K), optionally writing the raw logits so
@@ -27,9 +29,18 @@ from pallas_kernels._dispatch import is_pow2
 _NEG = -1e30  # finite: an all-masked page must not produce inf - inf
 
 
+def padded_rows(x: int) -> int:
+    """`x` rounded up to a power of two of at least 16 (a Triton dot tile's extent)."""
+    return max(16, 1 << (x - 1).bit_length())
+
+
 def unsupported_reason(groups: int, page_size: int, head_dim: int) -> str | None:
-    """Why Triton would reject these extents (power-of-two dot tiles of at least 16), or None."""
-    for name, x in (("group size", groups), ("page size", page_size), ("head dim", head_dim)):
+    """Why Triton would reject these extents (power-of-two dot tiles of at least 16), or None.
+
+    Any group size runs (padded, `padded_rows`); page size and head dim are not padded.
+    """
+    del groups
+    for name, x in (("page size", page_size), ("head dim", head_dim)):
         if not (is_pow2(x) and x >= 16):
             return f"{name} {x} is not a power of two >= 16 (Triton dot tiles)"
     return None
@@ -86,20 +97,29 @@ def paged_decode_attention_gpu(
 
     Logits past a row's length are unspecified (mask them, e.g. `probs_from_logits`).
     """
-    b, n, _ = q_bnh.shape
+    b, n, h = q_bnh.shape
     _, page_size, kh, _ = k_pages.shape
     s = page_table_bm.shape[1] * page_size
+    g = n // kh
+    gp = padded_rows(g)
+    # Zero queries pad each group to gp rows; they are computed and dropped.
+    q_bkgh = jnp.pad(q_bnh.reshape(b, kh, g, h), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+    np_ = kh * gp
     out_shape = [
-        jax.ShapeDtypeStruct(q_bnh.shape, jnp.float32),
-        jax.ShapeDtypeStruct((b, n), jnp.float32),
+        jax.ShapeDtypeStruct((b, np_, h), jnp.float32),
+        jax.ShapeDtypeStruct((b, np_), jnp.float32),
     ]
     if return_logits:
-        out_shape.append(jax.ShapeDtypeStruct((b, n, s), jnp.float32))
+        out_shape.append(jax.ShapeDtypeStruct((b, np_, s), jnp.float32))
     outs = pl.pallas_call(
-        functools.partial(_kernel, page_size=page_size, groups=n // kh),
+        functools.partial(_kernel, page_size=page_size, groups=gp),
         out_shape=out_shape,
         grid=(b, kh),
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
-    )(lengths_b, page_table_bm, q_bnh, k_pages, v_pages)
-    return outs[0], outs[1], outs[2] if return_logits else None
+    )(lengths_b, page_table_bm, q_bkgh.reshape(b, np_, h), k_pages, v_pages)
+
+    def unpad(x):  # [B, K * gp, ...] -> [B, N, ...]
+        return x.reshape(b, kh, gp, *x.shape[2:])[:, :, :g].reshape(b, n, *x.shape[2:])
+
+    return unpad(outs[0]), unpad(outs[1]), unpad(outs[2]) if return_logits else None

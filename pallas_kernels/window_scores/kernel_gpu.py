@@ -3,7 +3,9 @@
 GPU lowering: **Pallas Triton** (`jax.experimental.pallas.triton.CompilerParams`), deprecated
 from JAX 0.11 in favour of Mosaic GPU; this kernel stays on Triton until the page gather is
 ported (see `paged_attention/kernel_gpu.py`). Runs on CPU with `interpret=True`; not yet run on
-a GPU. Triton wants power-of-two W, L and H.
+a GPU. Triton wants power-of-two extents of at least 16 for W, L and H: the window is padded at
+its front with zero queries to `padded_rows(w)` (w = 8 runs as 16); a padded row r + (Wp - w)
+sees exactly the keys real row r sees and is never a real query, so the scores are unchanged.
 
 One program per (row, query head). Pass 1 walks the row's pages and keeps, for each of the w
 window queries, the running max and sum of its causally masked softmax; pass 2 walks them again,
@@ -23,13 +25,18 @@ from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._dispatch import is_pow2
+from pallas_kernels.paged_attention.kernel_gpu import padded_rows
 
 _NEG = -1e30
 
 
 def unsupported_reason(window: int, page_size: int, head_dim: int) -> str | None:
-    """Why Triton would reject these extents (power-of-two dot tiles of at least 16), or None."""
-    for name, x in (("window", window), ("page size", page_size), ("head dim", head_dim)):
+    """Why Triton would reject these extents (power-of-two dot tiles of at least 16), or None.
+
+    Any window runs (padded at its front, `padded_rows`); page size and head dim are not padded.
+    """
+    del window
+    for name, x in (("page size", page_size), ("head dim", head_dim)):
         if not (is_pow2(x) and x >= 16):
             return f"{name} {x} is not a power of two >= 16 (Triton dot tiles)"
     return None
@@ -87,6 +94,7 @@ def window_scores_gpu(
     b, w, n, h = q_bwnh.shape
     _, page_size, kh, _ = k_pages.shape
     s = page_table_bm.shape[1] * page_size
+    q_bwnh = jnp.pad(q_bwnh, ((0, 0), (padded_rows(w) - w, 0), (0, 0), (0, 0)))
     per_head = pl.pallas_call(
         functools.partial(_kernel, page_size=page_size, groups=n // kh),
         out_shape=jax.ShapeDtypeStruct((b, n, s), jnp.float32),

@@ -1,0 +1,199 @@
+"""The whole-program device checks: a learner step, the rollout engine, a PULSESync apply.
+
+Companions of `benchmarks.device_checks` (same `Shapes`, `emit` and record conventions). Each
+function runs one configuration, so the orchestrator (`benchmarks.device_check`) can give each
+its own process: `peak_bytes_in_use` is a per-process high-water mark.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.device_checks import MODEL, TPU_AOT_GIB, Emit, Shapes, peak_bytes
+
+
+def check_learner(shapes: Shapes, emit: Emit, *, seq_len: int, attention: str) -> None:
+    """One learner step (loss + gradient + AdamW; Sparse-RL correction, DGG on) at Qwen2.5-0.5B,
+    micro-batch 1, remat, bf16 over fp32 masters, T = `seq_len`, teacher-forcing attention
+    `attention` ("auto": the platform's kernel): time and peak device memory, beside the
+    TPU-compiled estimate."""
+    from flax import nnx
+
+    from benchmarks.learner import benchmark_learner, synthetic_batch
+    from sparserl_jax.models import Transformer, model_preset
+    from sparserl_jax.models.attention import resolve_attention
+    from sparserl_jax.rl.config import LearnerConfig
+
+    cfg = model_preset(MODEL, **shapes.model).replace(
+        dtype="bfloat16", param_dtype="float32", remat=True, attention=attention
+    )
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    batch = synthetic_batch(
+        batch=1, seq_len=seq_len, prompt_len=seq_len // 8, vocab=cfg.vocab_size, group_size=1
+    )
+    batch = batch._replace(advantages_b=jnp.ones(1))  # a group of 1 has advantage 0: no gradient
+    got = benchmark_learner(model, LearnerConfig(), batch, steps=3)
+    est = TPU_AOT_GIB.get(seq_len)
+    emit(
+        {
+            "t": seq_len,
+            "attention": attention,
+            "attention_ran": resolve_attention(
+                attention, jnp.bfloat16, cfg.head_dim, segmented=False
+            ),
+            "step_ms": got["step_ms"],
+            "tokens_per_s": got["tokens_per_s"],
+            "compile_s": got["compile_s"],
+            "peak_gib": None if got["peak_bytes"] is None else got["peak_bytes"] / 2**30,
+            "tpu_v5p_aot_total_gib": est and est["total"],
+            "loss_finite": bool(np.isfinite(got["loss"])),
+            "grad_norm": got["grad_norm"],
+            "pass": bool(np.isfinite(got["loss"]) and np.isfinite(got["grad_norm"])),
+        }
+    )
+
+
+def _kv_bytes_per_step(cfg, shapes: Shapes, sparse: bool, interval: int) -> float:
+    """Mean KV bytes one decode step reads per slot (every kept token of every layer, K and V):
+    prompt + s tokens at step s when dense; with compression the kept count as compressions
+    leave it (back to the budget every `interval` steps once past it)."""
+    per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16
+    b, kept = shapes.engine_budget, []
+    for s in range(shapes.engine_new):
+        n = shapes.engine_prompt + s
+        kept.append(n if not sparse or n <= b else b + (n - b) % interval)
+    return per_token * float(np.mean(kept))
+
+
+def check_engine(shapes: Shapes, emit: Emit, *, slots: int, policy: str, path: str) -> None:
+    """Greedy decode of `engine_new` tokens in each of `slots` slots at Qwen2.5-0.5B shapes with
+    random bf16 weights, dense or R-KV at `engine_budget`, through `path` (the XLA reference or
+    the platform's Pallas kernels): tokens/s, peak device memory, and the bytes a decode step
+    must move (weights + kept KV) for the roofline."""
+    import os
+
+    from flax import nnx
+
+    from benchmarks.rollout import engine_runner, random_prompts
+    from pallas_kernels._dispatch import KERNEL_IMPL_ENV, target_platform
+    from sparserl_jax.kvcache import CompressionConfig
+    from sparserl_jax.models import Transformer, model_preset
+
+    if path == "kernel":
+        os.environ[KERNEL_IMPL_ENV] = {"tpu": "pallas_tpu"}.get(target_platform(), "pallas_gpu")
+    else:
+        os.environ[KERNEL_IMPL_ENV] = "xla"
+    cfg = model_preset(MODEL, **shapes.model).replace(dtype="bfloat16", param_dtype="bfloat16")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    kv = None
+    if policy != "dense":
+        kv = CompressionConfig(
+            policy=policy, budget=shapes.engine_budget, interval=shapes.engine_interval
+        )
+    prompts = random_prompts(cfg.vocab_size, slots, shapes.engine_prompt, seed=0)
+    t0 = time.perf_counter()
+    run = engine_runner(
+        model, prompts, gen_len=shapes.engine_new, kv=kv, chunk_steps=shapes.engine_chunk
+    )
+    compile_s = time.perf_counter() - t0
+    got = run()
+    weights = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    interval = kv.interval if kv is not None else 1
+    kv_bytes = slots * _kv_bytes_per_step(cfg, shapes, kv is not None, interval)
+    step_ms = 1e3 * got["seconds"] / shapes.engine_new
+    emit(
+        {
+            "slots": slots,
+            "policy": policy,
+            "path": path,
+            "kernel_impl": os.environ[KERNEL_IMPL_ENV],
+            "new_tokens": shapes.engine_new,
+            "tokens_per_s": got["tokens_per_s"],
+            "seconds": got["seconds"],
+            "step_ms": step_ms,
+            "compile_s": compile_s,
+            "kv_peak_gib": got["kv_peak_bytes"] / 2**30,
+            "peak_gib": None if peak_bytes() is None else peak_bytes() / 2**30,
+            "tokens_evicted": got["tokens_evicted"],
+            "weight_bytes": weights,
+            "kv_bytes_per_step": kv_bytes,
+            "bytes_per_step": weights + kv_bytes,
+            "pass": bool(np.isfinite(got["tokens_per_s"])),
+        }
+    )
+
+
+def check_sync(shapes: Shapes, emit: Emit) -> None:
+    """PULSESync format 3 on a Qwen2.5-0.5B-shaped tree: fp32 masters moved by synthetic
+    Adam-sized steps (`lr * N(0, 1)` per element) at each learning rate, published on the host,
+    applied by a receiver on the device: apply GB/s (published bf16 bytes per second) and the
+    received bits against bf16(master) rounded on the host (numpy, ml_dtypes)."""
+    import ml_dtypes
+    from flax import nnx
+
+    from sparserl_jax.models import Transformer, model_preset
+    from sparserl_jax.sync.codec import CodecConfig
+    from sparserl_jax.sync.publisher import Publisher, SyncConfig
+    from sparserl_jax.sync.receiver import Receiver
+    from sparserl_jax.sync.transport import InProcessTransport
+
+    cfg = model_preset(MODEL, **shapes.model).replace(param_dtype="float32")
+    master = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(0))))
+    transport = InProcessTransport()
+    config = SyncConfig(anchor_every=1000, codec=CodecConfig(format=3))
+    pub = Publisher(transport, config=config)
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    receiver = Receiver(lambda name, shape: sharding)
+    t0 = time.perf_counter()
+    first = pub.publish(master)
+    receiver.sync(transport)
+    jax.block_until_ready(list(receiver.arrays.values()))
+    emit({"what": "anchor", "params": first.numel, "seconds": time.perf_counter() - t0})
+
+    @jax.jit
+    def adam_like(tree, key, lr):
+        leaves, treedef = jax.tree.flatten(tree)
+        keys = jax.random.split(key, len(leaves))
+        moved = [x + lr * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+        return jax.tree.unflatten(treedef, moved)
+
+    key = jax.random.key(1)
+    for lr in shapes.sync_lrs:
+        for i in range(shapes.sync_versions):
+            key, sub = jax.random.split(key)
+            master = adam_like(master, sub, jnp.float32(lr))
+            t0 = time.perf_counter()
+            out = pub.publish(master)
+            encode_s = time.perf_counter() - t0
+            blob = transport.get(out.version, "patch")
+            t0 = time.perf_counter()
+            receiver.apply(blob)
+            jax.block_until_ready(list(receiver.arrays.values()))
+            apply_s = time.perf_counter() - t0
+            leaves = jax.tree.leaves(master)
+            mismatched = 0
+            for name, x in zip(pub.names, leaves, strict=True):
+                want = np.asarray(x).astype(ml_dtypes.bfloat16).view(np.uint16)
+                got = np.asarray(receiver.arrays[name]).view(np.uint16)
+                mismatched += int(np.sum(want != got))
+            emit(
+                {
+                    "what": "patch",
+                    "lr": lr,
+                    "version": out.version,
+                    "warm": i > 0,  # the first apply at a new shape mix may compile
+                    "changed": out.total_changed,
+                    "bytes": len(out.patch),
+                    "bytes_per_changed": len(out.patch) / max(out.total_changed, 1),
+                    "encode_s": encode_s,
+                    "apply_s": apply_s,
+                    "apply_gb_per_s": out.dense_bytes / apply_s / 1e9,
+                    "err": float(mismatched),
+                    "tol": 0.0,
+                    "pass": mismatched == 0,
+                }
+            )

@@ -48,7 +48,7 @@ class Shapes:
     engine_interval: int = 128
     engine_chunk: int = 128
     sync_lrs: tuple[float, ...] = (1e-6, 1e-5)
-    sync_versions: int = 2
+    sync_versions: int = 2  # patches per lr; the first apply of a run may compile
     copy_mib: int = 2048
     reps: int = 10
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Int, Shaped
@@ -33,10 +34,15 @@ def _kernel(len_ref, pt_ref, keep_ref, pages_in_ref, o_ref, *, page_size):
     del pages_in_ref  # aliased to o_ref
     b, kh = pl.program_id(0), pl.program_id(1)
 
+    def split(i):  # (page-table column, offset); i >= 0, so truncating division is floor's
+        # lax.div / lax.rem, not // and %: jnp's floor-mod sign fix-up fails to lower to Triton
+        # (`AssertionError: ('i32', 'i1')` in `_mod`, JAX 0.11.2 on an H100).
+        page = jnp.int32(page_size)
+        return jax.lax.div(i, page), jax.lax.rem(i, page)
+
     def body(j, carry):
-        src = keep_ref[b, kh, j]
-        src_page, src_off = pt_ref[b, src // page_size], src % page_size
-        dst_page, dst_off = pt_ref[b, j // page_size], j % page_size
+        (src_col, src_off), (dst_col, dst_off) = split(keep_ref[b, kh, j]), split(j)
+        src_page, dst_page = pt_ref[b, src_col], pt_ref[b, dst_col]
         o_ref[dst_page, dst_off, kh, :] = o_ref[src_page, src_off, kh, :]
         return carry
 

@@ -166,34 +166,36 @@ def check_sync(shapes: Shapes, emit: Emit) -> None:
         for i in range(shapes.sync_versions):
             key, sub = jax.random.split(key)
             master = adam_like(master, sub, jnp.float32(lr))
+            # One record per phase, so a run cut off by its budget shows where the time went.
             t0 = time.perf_counter()
             out = pub.publish(master)
             encode_s = time.perf_counter() - t0
-            blob = transport.get(out.version, "patch")
-            t0 = time.perf_counter()
-            receiver.apply(blob)
-            jax.block_until_ready(list(receiver.arrays.values()))
-            apply_s = time.perf_counter() - t0
-            leaves = jax.tree.leaves(master)
-            mismatched = 0
-            for name, x in zip(pub.names, leaves, strict=True):
-                want = np.asarray(x).astype(ml_dtypes.bfloat16).view(np.uint16)
-                got = np.asarray(receiver.arrays[name]).view(np.uint16)
-                mismatched += int(np.sum(want != got))
+            rec = {"lr": lr, "version": out.version, "warm": i > 0}  # a first apply may compile
             emit(
                 {
-                    "what": "patch",
-                    "lr": lr,
-                    "version": out.version,
-                    "warm": i > 0,  # the first apply at a new shape mix may compile
+                    "what": "publish",
+                    **rec,
                     "changed": out.total_changed,
                     "bytes": len(out.patch),
                     "bytes_per_changed": len(out.patch) / max(out.total_changed, 1),
                     "encode_s": encode_s,
-                    "apply_s": apply_s,
-                    "apply_gb_per_s": out.dense_bytes / apply_s / 1e9,
-                    "err": float(mismatched),
-                    "tol": 0.0,
-                    "pass": mismatched == 0,
+                    "mask_s": out.mask_s,
+                    "extract_s": out.extract_s,
+                    "codec_s": out.encode_s,
                 }
             )
+            t0 = time.perf_counter()
+            receiver.apply(transport.get(out.version, "patch"))
+            jax.block_until_ready(list(receiver.arrays.values()))
+            apply_s = time.perf_counter() - t0
+            gb_per_s = out.dense_bytes / apply_s / 1e9
+            emit({"what": "apply", **rec, "apply_s": apply_s, "apply_gb_per_s": gb_per_s})
+            t0 = time.perf_counter()
+            mismatched = 0
+            for name, x in zip(pub.names, jax.tree.leaves(master), strict=True):
+                want = np.asarray(x).astype(ml_dtypes.bfloat16).view(np.uint16)
+                got = np.asarray(receiver.arrays[name]).view(np.uint16)
+                mismatched += int(np.sum(want != got))
+            check_s = time.perf_counter() - t0
+            rec = {"what": "bits", **rec, "check_s": check_s, "err": float(mismatched), "tol": 0.0}
+            emit({**rec, "pass": mismatched == 0})

@@ -27,8 +27,11 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU test)")
     p.add_argument("--total-s", type=float, default=450.0, help="budget of the whole run")
     p.add_argument("--only", nargs="*", help="tasks or task families (engine, learner, ...)")
+    p.add_argument("--task-s", type=float, help="every task's budget (default: each its own)")
     args = p.parse_args()
-    report = orchestrate(args.out, smoke=args.smoke, total_s=args.total_s, only=args.only)
+    report = orchestrate(
+        args.out, smoke=args.smoke, total_s=args.total_s, only=args.only, task_s=args.task_s
+    )
     print((args.out / "device_check.md").read_text())
     ran = [r for r in report["tasks"].values() if not r["status"].startswith("skipped")]
     sys.exit(0 if ran and all(r["status"] == "ok" for r in ran) else 1)

@@ -67,6 +67,8 @@ from sparserl_jax.rl.policy_losses import (
     gspo_loss,
     gspo_token_loss,
     reinforce_is_loss,
+    reinforce_token_is_loss,
+    sequence_is_log_weight,
     sequence_log_ratio,
 )
 from sparserl_jax.rl.rejection import (
@@ -128,7 +130,9 @@ __all__ = [
     "reinforce_is_loss",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
+    "reinforce_token_is_loss",
     "rloo_advantages",
+    "sequence_is_log_weight",
     "sequence_log_ratio",
     "shifted_token_logprobs",
     "sparse_rl_weights",

@@ -21,14 +21,16 @@ SCHEDULES: tuple[str, ...] = ("constant", "linear", "cosine")
 
 # (eps_low, eps_high) when left unset, per policy loss. PPO: the classic 0.2. GSPO: the paper's
 # 3e-4 / 4e-4 (a sequence ratio, a geometric mean, moves far less than a token ratio). CISPO: no
-# lower bound on the weight (MiniMax-M1) and verl's 0.28 above. REINFORCE + IS: truncation at 2
-# (verl's `rollout_is_threshold`).
+# lower bound on the weight (MiniMax-M1) and 0.28 above (verl's CISPO example: 0.2). REINFORCE
+# + IS (sequence or token weight): no lower bound, truncation at 2 (verl's
+# `rollout_is_threshold` default).
 DEFAULT_CLIP: dict[str, tuple[float, float]] = {
     "ppo": (0.2, 0.2),
     "gspo": (3e-4, 4e-4),
     "gspo_token": (3e-4, 4e-4),
     "cispo": (1.0, 0.28),
     "reinforce": (1.0, 1.0),
+    "reinforce_token": (1.0, 1.0),
 }
 
 
@@ -38,13 +40,15 @@ class LossConfig:
 
     Attributes:
       policy_loss: `ppo` (PPO-clip, dual clip optional), `gspo` (sequence ratio, sequence clip),
-        `gspo_token`, `cispo` (clipped stop-gradient IS weight x REINFORCE) or `reinforce`
-        (REINFORCE x truncated IS weight `min(r, 1 + eps_high)`, for bypass mode); verl
-        `actor.policy_loss.loss_mode`.
+        `gspo_token`, `cispo` (clipped stop-gradient IS weight x REINFORCE), `reinforce`
+        (REINFORCE x the truncated sequence IS weight `min(prod_t r_t, 1 + eps_high)`: verl's
+        `bypass_pg_is`, for bypass mode) or `reinforce_token` (REINFORCE x the truncated token
+        weight `min(r_t, 1 + eps_high)`: verl `loss_type="reinforce"` with
+        `rollout_is="token"`); verl `actor.policy_loss.loss_mode` (see docs/algorithms.md).
       eps_low, eps_high: clip range `[1 - eps_low, 1 + eps_high]` of the ratio (DAPO: 0.2 /
         0.28); unset (None), they take the policy loss's default (`DEFAULT_CLIP`: 0.2 / 0.2 for
         ppo, 3e-4 / 4e-4 for gspo and gspo_token, 1.0 / 0.28 for cispo, 1.0 / 1.0 for
-        reinforce). `eps_low = 1` means no lower bound.
+        reinforce and reinforce_token). `eps_low = 1` means no lower bound.
       dual_clip: cap on the loss of negative-advantage tokens (`None`: off; verl uses 3).
       aggregation: `token_mean` (DAPO), `seq_mean_token_mean` (GRPO), `seq_mean_token_sum_norm`
         (Dr.GRPO).
@@ -79,8 +83,8 @@ class LossConfig:
         ppo_like = self.policy_loss in ("ppo", "gspo", "gspo_token")
         if not (0 <= self.eps_low < 1 or (self.eps_low == 1 and not ppo_like)):
             raise ValueError(
-                f"need 0 <= eps_low < 1 for {self.policy_loss} (1 allowed for cispo and "
-                f"reinforce: no lower bound), got {self.eps_low}"
+                f"need 0 <= eps_low < 1 for {self.policy_loss} (1 allowed for cispo, "
+                f"reinforce and reinforce_token: no lower bound), got {self.eps_low}"
             )
         if not self.eps_high >= 0:
             raise ValueError(f"need eps_high >= 0, got {self.eps_high}")

@@ -17,10 +17,10 @@ Every part is switchable, and rejection / reweighting can act per token, per seq
 `mis_level`. `SparseRLCorrectionConfig.naive()` is "naive sparse" (no correction) and
 `SparseRLCorrectionConfig.tis_only()` is truncated importance sampling alone.
 
-Beyond Sparse-RL (verl's rollout-correction options): IcePop weights (`reweight_mode="icepop"`,
-`icepop()`), rejection by K1 / K2 / K3 divergence at token or sequence level, several chained
-(`rejection`, see `rl/rejection.py`), and bypass mode (`bypass`: pi_old := mu, no dense
-recompute).
+Beyond Sparse-RL: IcePop weights (`reweight_mode="icepop"`, `icepop()`; not in verl), and from
+verl's rollout correction: rejection by K1 / K2 / K3 divergence at token or sequence level,
+several chained, with verl's meaning (`rejection`, see `rl/rejection.py`), and bypass mode
+(`bypass`: pi_old := mu, no dense recompute). docs/algorithms.md compares each with verl.
 """
 
 import dataclasses
@@ -49,7 +49,10 @@ class SparseRLCorrectionConfig:
       veto_threshold: the veto ratio (1e-4: the sampler picked a token that the dense policy
         finds 10^4 times less likely).
       reject: mask tokens (or whole sequences, by `reject_level`) whose ratio is outside
-        `[reject_lower, reject_upper]`.
+        `[reject_lower, reject_upper]` (a bound on the ratio itself, like verl's
+        `rollout_rs: token | sequence | geometric` before 2026-01; today's verl K1 criteria
+        `token_k1` / `seq_sum_k1` / `seq_mean_k1` keep `[1/upper, 1/lower]`, see
+        `rl/rejection.py`).
       reject_level: `token`, `sequence` (product of ratios) or `geometric` (geometric mean).
       reweight: multiply the per-token loss by the truncated importance weight.
       reweight_level: level of the weight (`token`, `sequence` or `geometric`).
@@ -57,8 +60,7 @@ class SparseRLCorrectionConfig:
       reweight_mode: `truncate` (TIS, above) or `icepop`: `w = rho` inside
         `[reweight_lower, reweight_upper]`, 0 outside, the token staying in the loss
         denominator (IcePop, Ling Team 2025, "Every Step Evolves: Scaling RL for Trillion-Scale
-        Thinking Model"; verl `rollout_is_threshold="lower_upper"`, OpenRLHF / NeMo-RL
-        `icepop`).
+        Thinking Model"; OpenRLHF / NeMo-RL `icepop`; verl has no IcePop).
       reweight_lower: IcePop's lower bound (unused by `truncate`).
       batch_normalize: divide the weights by their mean over the batch's valid tokens.
       rejection: divergence criteria chained after the ratio rejection, e.g.
@@ -66,9 +68,11 @@ class SparseRLCorrectionConfig:
         see `rl/rejection.py`). Empty: none.
       bypass: take the sampler's logprobs as pi_old and skip the dense recompute (verl
         `bypass_mode`): rho = 1, so veto, rejection and reweighting do nothing, and the policy
-        loss's own ratio pi_theta / mu (PPO-clip, or REINFORCE x truncated IS with
-        `learner.loss.policy_loss=reinforce`) is the only off-policy correction. For dense
-        samplers in sync only: `sparserl train` refuses it with a compressed KV cache.
+        loss's own ratio pi_theta / mu (PPO-clip: verl `bypass_ppo_clip`; REINFORCE x the
+        truncated sequence IS weight with `learner.loss.policy_loss=reinforce`: verl
+        `bypass_pg_is`; `reinforce_token` for a token weight) is the only off-policy
+        correction. For dense samplers in sync only: `sparserl train` refuses it with a
+        compressed KV cache.
     """
 
     log_ratio_bound: float = 20.0
@@ -125,7 +129,8 @@ class SparseRLCorrectionConfig:
         if self.bypass and self.reweight_mode == "icepop":
             raise ValueError(
                 "bypass=True makes every IcePop weight rho = 1 (a no-op); use "
-                "learner.loss.policy_loss=reinforce or cispo for a weight on pi_theta / mu"
+                "learner.loss.policy_loss=reinforce, reinforce_token or cispo for a weight on "
+                "pi_theta / mu"
             )
 
     @classmethod
@@ -150,7 +155,8 @@ class SparseRLCorrectionConfig:
     @classmethod
     def bypass_mode(cls) -> "SparseRLCorrectionConfig":
         """Bypass (pi_old := mu, no recompute) with the correction off (it would see rho = 1);
-        pair with `policy_loss` `ppo` (verl `bypass_ppo_clip`) or `reinforce` (`bypass_pg_is`)."""
+        pair with `policy_loss` `ppo` (verl `bypass_ppo_clip`) or `reinforce` (`bypass_pg_is`:
+        sequence-level truncated IS at 2)."""
         return cls(veto=False, reject=False, reweight=False, batch_normalize=False, bypass=True)
 
     @classmethod

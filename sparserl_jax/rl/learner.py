@@ -165,6 +165,11 @@ def train_step(
     }
     if lcfg.policy_loss in ("gspo", "gspo_token"):
         per_token["mask"] = kept_bt
+    elif lcfg.policy_loss == "reinforce":
+        # The sequence IS weight runs over the response mask before rejection (verl
+        # `compute_policy_loss_bypass_mode`: weights from `response_mask`, the loss on the
+        # rejected one).
+        per_token["mask"] = batch.mask_bt.astype(jnp.float32)
     if batch.ref_logp_bt is not None:
         per_token["ref_logp"] = batch.ref_logp_bt.astype(jnp.float32)
     micro = jax.tree.map(lambda x: split_micro_batches(x, m), per_token)

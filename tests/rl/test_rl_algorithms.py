@@ -1,5 +1,6 @@
-"""RLOO, REINFORCE++(-baseline), GSPO, GSPO-token, CISPO and REINFORCE + IS against hand-computed
-values and edge cases (empty and one-token responses, all-masked rows, groups of two)."""
+"""RLOO, REINFORCE++(-baseline), GSPO, GSPO-token, CISPO and REINFORCE + IS (sequence and token
+weights, the sequence one also against verl's `bypass_pg_is`) against hand-computed values and
+edge cases (empty and one-token responses, all-masked rows, groups of two)."""
 
 import functools
 
@@ -14,12 +15,14 @@ from sparserl_jax.rl import (
     aggregate_loss,
     cispo_loss,
     compute_advantages,
+    compute_policy_loss,
     gspo_loss,
     gspo_token_loss,
     ppo_clip_loss,
     reinforce_is_loss,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
+    reinforce_token_is_loss,
     rloo_advantages,
     sequence_log_ratio,
     shifted_token_logprobs,
@@ -123,9 +126,71 @@ def test_cispo_and_reinforce_weights():
     np.testing.assert_allclose(got, [-2.0 * w * np.array([0.5, -1.0, 1.0])], rtol=1e-6)
     grad = jax.grad(lambda lp: jnp.sum(cispo_loss(lp, OLD[:1], adv)))(logp)
     np.testing.assert_allclose(grad, [-2.0 * w], rtol=1e-6)  # never zeroed, only weighted
-    got = reinforce_is_loss(logp, OLD[:1], adv, upper=2.0)
+    got = reinforce_token_is_loss(logp, OLD[:1], adv, upper=2.0)
     w = np.array([np.exp(0.5), np.exp(-1.0), 2.0])
     np.testing.assert_allclose(got, [-2.0 * w * np.array([0.5, -1.0, 1.0])], rtol=1e-6)
+
+
+def test_reinforce_weight_is_one_truncated_sequence_ratio():
+    # verl `bypass_pg_is`: w_i = min(prod_t r_t, 2) over the row's tokens, the same for all of
+    # them. Row 0: exp(0.1 + 0.3) = 1.49; row 1: exp(0.5) = 1.65 -> 1.5 with upper 1.5; row 2
+    # (empty): exp(0) = 1.
+    adv = jnp.array([1.0, -2.0, 3.0])
+    logp = jnp.where(MASK, NEW, -1.0)  # padding may hold anything, even -inf (NEW row 0)
+    got = reinforce_is_loss(NEW, OLD, adv, MASK, upper=1.5)
+    assert np.all(np.isfinite(np.asarray(got)[np.asarray(MASK)]))
+    got = reinforce_is_loss(logp, OLD, adv, MASK, upper=1.5)
+    w = np.array([np.exp(0.4), 1.5, 1.0])[:, None]
+    np.testing.assert_allclose(got, -w * np.asarray(adv)[:, None] * np.asarray(logp), rtol=1e-6)
+    grad = jax.grad(lambda lp: jnp.sum(reinforce_is_loss(lp, OLD, adv, MASK, upper=1.5)))(logp)
+    np.testing.assert_allclose(grad, -w * np.asarray(adv)[:, None] * np.ones((3, 3)), rtol=1e-6)
+    _, clipped = compute_policy_loss(
+        logp,
+        OLD,
+        jnp.broadcast_to(adv[:, None], (3, 3)),
+        MASK,
+        loss="reinforce",
+        eps_low=1.0,
+        eps_high=0.5,
+    )
+    np.testing.assert_array_equal(clipped, [[0] * 3, [1] * 3, [0] * 3])
+
+
+def verl_bypass_pg_is_loss(log_prob, rollout_log_prob, advantages, response_mask, threshold):
+    """numpy re-statement of verl's `bypass_pg_is` per-token loss (before `agg_loss`): verl
+    `verl/trainer/ppo/core_algos.py` `compute_policy_loss_bypass_mode` ->
+    `compute_policy_loss_reinforce`, weights from `verl/trainer/ppo/rollout_corr_helper.py`
+    `compute_rollout_correction_weights` with `rollout_is="sequence"` (volcengine/verl @
+    b178a3cd, 2026-01-29): `w = min(exp(clamp(sum_t mask * (log_prob - rollout_log_prob),
+    -20, 20)), threshold) * mask`, `pg_losses = -A * log_prob * w`."""
+    log_ratio_sum = ((log_prob - rollout_log_prob) * response_mask).sum(-1, keepdims=True)
+    w = np.exp(np.clip(log_ratio_sum, -20.0, 20.0)) * response_mask
+    w = np.minimum(w, threshold)
+    return -advantages * log_prob * w
+
+
+def test_reinforce_matches_verl_bypass_pg_is_on_random_inputs():
+    rng = np.random.default_rng(0)
+    b, t = 12, 9
+    rollout = rng.normal(-2.0, 1.0, (b, t))
+    logp = rollout + rng.uniform(-0.3, 0.3, (b, 1)) + rng.normal(0.0, 0.2, (b, t))
+    logp[3, 2] += 25.0  # one token past the +-20 bound: verl clamps the sum, not the token
+    mask = (rng.random((b, t)) < 0.8).astype(np.float64)
+    adv = rng.normal(0.0, 1.0, (b, 1)) * np.ones((1, t))
+    cfg = LossConfig(policy_loss="reinforce")
+    got, _ = compute_policy_loss(
+        jnp.asarray(logp, jnp.float32),
+        jnp.asarray(rollout, jnp.float32),
+        jnp.asarray(adv, jnp.float32),
+        jnp.asarray(mask, jnp.float32),
+        loss=cfg.policy_loss,
+        eps_low=cfg.eps_low,
+        eps_high=cfg.eps_high,
+    )
+    want = verl_bypass_pg_is_loss(logp, rollout, adv, mask, threshold=2.0)
+    np.testing.assert_allclose(np.asarray(got) * mask, want, rtol=1e-5, atol=1e-6)
+    w_seq = np.exp(np.clip(((logp - rollout) * mask).sum(-1), -20, 20))
+    assert np.any(w_seq > 2.0) and np.any(w_seq < 1.0)  # both truncated and untruncated rows
 
 
 # --- config and the learner --------------------------------------------------------------------
@@ -135,6 +200,9 @@ def test_loss_config_defaults_and_errors():
     assert (LossConfig().eps_low, LossConfig().eps_high) == (0.2, 0.2)
     assert (LossConfig.gspo().eps_low, LossConfig.gspo().eps_high) == (3e-4, 4e-4)
     assert LossConfig(policy_loss="cispo").eps_low == 1.0
+    for name in ("reinforce", "reinforce_token"):  # no floor, cap 2 (verl's threshold)
+        cfg = LossConfig(policy_loss=name)
+        assert (cfg.eps_low, cfg.eps_high) == (1.0, 1.0)
     assert LossConfig(policy_loss="gspo", eps_high=0.01).eps_high == 0.01
     with pytest.raises(ValueError, match="'gspo2'"):
         LossConfig(policy_loss="gspo2")
@@ -153,6 +221,16 @@ def _reference_loss(params, graphdef, batch, loss_cfg):
     if loss_cfg.policy_loss in ("gspo", "gspo_token"):
         fn = gspo_loss if loss_cfg.policy_loss == "gspo" else gspo_token_loss
         pg = fn(logp, batch.old_logp_bt, batch.advantages_b, corr.loss_mask_bt, **kw)
+    elif loss_cfg.policy_loss == "reinforce":
+        # The sequence weight runs over the response mask before rejection (as verl's).
+        pg = reinforce_is_loss(
+            logp,
+            batch.old_logp_bt,
+            batch.advantages_b,
+            batch.mask_bt,
+            upper=1.0 + loss_cfg.eps_high,
+            lower=1.0 - loss_cfg.eps_low,
+        )
     else:
         pg = cispo_loss(logp, batch.old_logp_bt, batch.advantages_b, **kw)
     return aggregate_loss(pg * corr.weights_bt, corr.loss_mask_bt, mode=loss_cfg.aggregation)
@@ -164,8 +242,12 @@ def _reference_loss(params, graphdef, batch, loss_cfg):
         LossConfig(policy_loss="gspo", eps_low=0.05, eps_high=0.05),
         LossConfig(policy_loss="gspo_token", eps_low=0.05, eps_high=0.05, aggregation="token_mean"),
         LossConfig.cispo(),
+        # Cap 1.21: some rows are truncated, and row 0's weight is not (1.208) only because
+        # it runs over the mask before rejection (1.47 over the kept tokens).
+        LossConfig(policy_loss="reinforce", eps_high=0.21),
+        LossConfig(policy_loss="reinforce_token", aggregation="token_mean"),
     ],
-    ids=["gspo", "gspo_token", "cispo"],
+    ids=["gspo", "gspo_token", "cispo", "reinforce", "reinforce_token"],
 )
 def test_learner_micro_batches_match_full_batch_reference(loss_cfg):
     model = tiny_model(seed=5, num_layers=1)

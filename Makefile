@@ -63,10 +63,11 @@ bench-venv:
 # .venv, no network). Wheels it lacks (zstandard, for PULSESync format 3) are installed from
 # wheels/ when that folder is there (README, "Running on a GPU or TPU").
 DEVICE_PYTHON ?= python3
+DEVICE_CHECK_OUT ?= runs/device-check
 device-check:
 	@if [ -d wheels ]; then $(DEVICE_PYTHON) -c "import zstandard" 2>/dev/null || \
 		$(DEVICE_PYTHON) -m pip install -q --no-index --find-links wheels zstandard; fi
-	PYTHONPATH=. $(DEVICE_PYTHON) tools/device_check.py --out $${OUT:-runs/device-check}
+	PYTHONPATH=. $(DEVICE_PYTHON) tools/device_check.py --out $(DEVICE_CHECK_OUT)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check . && $(VENV)/bin/ruff check .

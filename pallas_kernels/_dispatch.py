@@ -3,8 +3,9 @@
 The target platform is the default device's when one is set (`with jax.default_device(d)`, how a
 program is compiled ahead of time for a TPU topology from a CPU host), else the default backend.
 `impl="auto"` picks the Mosaic kernel on TPU and the XLA reference on CPU and on GPU: the
-Triton-lowered GPU kernels (Pallas Triton is deprecated from JAX 0.11) have not run on a GPU, so
-they are opt-in (`impl="pallas_gpu"` or the environment) and warn when compiled for one. The
+Triton-lowered GPU kernels (Pallas Triton is deprecated from JAX 0.11) match XLA on an H100
+(`make device-check`, docs/results.md) but decode slower than the XLA path there, so they are
+opt-in (`impl="pallas_gpu"` or the environment) and warn when compiled for one. The
 environment variable `SPARSERL_KERNEL_IMPL` (xla, pallas_tpu, pallas_gpu) overrides "auto".
 
 On a device mesh (`mesh=` of the ops), a compiled kernel runs per device under `shard_map`
@@ -93,8 +94,8 @@ def choose_impl(
         return "xla"
     if which == "pallas_gpu":
         warnings.warn(
-            f"{op}: the Pallas Triton GPU kernels are deprecated from JAX 0.11 and have not been "
-            "run on a GPU; impl='xla' is the default there",
+            f"{op}: the Pallas Triton GPU kernels are deprecated from JAX 0.11 and decode slower "
+            "than XLA on an H100 (docs/results.md); impl='xla' is the default there",
             UserWarning,
             stacklevel=3,
         )

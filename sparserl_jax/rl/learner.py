@@ -11,10 +11,9 @@ learner state donated. Inside it:
 4. non-finite gradients skip the step (counted); DGG may discard the update (counted);
    otherwise gradients are clipped by global norm and AdamW is applied.
 
-Parameters are a pure dict of fp32 master weights taken from `nnx.split(model)`; the model's
-own config decides the compute dtype (bf16 for speed, fp32 for tests). Per-token arrays in a
-batch are aligned with `tokens_bt` (entry t is about token t; column 0 is never a response
-token), which is what the rollout engine records.
+Parameters are a pure dict of fp32 master weights from `nnx.split(model)`; the model's config
+decides the compute dtype (bf16 for speed, fp32 for tests). Per-token arrays are aligned with
+`tokens_bt` (entry t is about token t; column 0 is never a response token), as the engine records.
 """
 
 from __future__ import annotations
@@ -163,13 +162,9 @@ def train_step(
         "reg_coef": agg_bt / denom,
         "tok_w": kept_bt / jnp.maximum(jnp.sum(kept_bt), 1.0),
     }
-    if lcfg.policy_loss in ("gspo", "gspo_token"):
-        per_token["mask"] = kept_bt
-    elif lcfg.policy_loss == "reinforce":
-        # The sequence IS weight runs over the response mask before rejection (verl
-        # `compute_policy_loss_bypass_mode`: weights from `response_mask`, the loss on the
-        # rejected one).
-        per_token["mask"] = batch.mask_bt.astype(jnp.float32)
+    masks = {"gspo": kept_bt, "gspo_token": kept_bt, "reinforce": batch.mask_bt.astype(jnp.float32)}
+    if lcfg.policy_loss in masks:  # reinforce (bypass_pg_is): its weight spans unrejected tokens
+        per_token["mask"] = masks[lcfg.policy_loss]
     if batch.ref_logp_bt is not None:
         per_token["ref_logp"] = batch.ref_logp_bt.astype(jnp.float32)
     micro = jax.tree.map(lambda x: split_micro_batches(x, m), per_token)

@@ -15,9 +15,7 @@ from sparserl_jax.parallel.sharding import create_sharded, shard_model
 def build_model(spec: ModelSpec, mesh: Mesh | None = None) -> Transformer:
     """A random model from `spec.arch` or a local HF checkpoint, laid out on `mesh` if given."""
     if spec.hf_dir is not None:
-        model = from_hf(
-            spec.hf_dir, dtype=spec.dtype, param_dtype=spec.param_dtype, remat=spec.remat
-        )
+        model = from_hf(spec.hf_dir, **spec.settings())  # the section's attention too
         return shard_model(model, mesh) if mesh is not None else model
     cfg = spec.model_config()
 

@@ -27,8 +27,10 @@ import os
 import re
 import shutil
 import signal
+import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -115,6 +117,7 @@ class CheckpointManager:
                 ),
             )
         except Exception as e:  # noqa: BLE001 (Orbax/TensorStore raise many kinds)
+            _quiet_abandoned_reads()
             raise CheckpointError(f"checkpoint step {step}: {_one_line(e)}") from e
         state, meta = out["state"], out["meta"]
         if stored is None:
@@ -270,6 +273,38 @@ def _one_line(e: BaseException) -> str:
     paths = re.findall(r"(?:file://)?(/[^\s\"']+)", text)
     where = f" (file {paths[0]})" if paths and paths[0] not in first else ""
     return f"{type(e).__name__}: {first[:300]}{where}"
+
+
+def _quiet_abandoned_reads() -> None:
+    """Silence the echoes of a failed restore (it is reported in one line already): Orbax
+    closes its event loop at the first failed read while the step's other TensorStore reads are
+    in flight; as each ends, its callback meets the closed loop (`RuntimeError: Event loop is
+    closed`, printed as an unraisable traceback) and its task is collected with its error never
+    retrieved (an `asyncio` error log). Only exceptions of exactly those kinds are dropped."""
+    previous = sys.unraisablehook
+    if getattr(previous, "quiets_abandoned_reads", False):
+        return
+
+    def hook(unraisable) -> None:
+        frames = traceback.extract_tb(unraisable.exc_traceback)
+        if not (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+            and any(f.name == "call_soon_threadsafe" for f in frames)
+        ):
+            previous(unraisable)
+
+    hook.quiets_abandoned_reads = True
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_unretrieved_read_error)
+
+
+def _unretrieved_read_error(record: logging.LogRecord) -> bool:
+    """A logging filter: False for asyncio's report of a checkpoint read's unretrieved error."""
+    text = record.getMessage()
+    return not (
+        "exception was never retrieved" in text and ("orbax" in text or "tensorstore" in text)
+    )
 
 
 def _abstract(x: Any) -> Any:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
 import enum
@@ -61,9 +62,9 @@ class ModelSpec:
         an unknown name is an error naming the closest ones.
       arch: the architecture of a randomly initialised model (when `hf_dir` is null): a
         `ModelConfig` or a mapping of its fields, all of them without `preset`, any of them on
-        top of it (`head_dim` is not re-derived). Always the resolved `ModelConfig` after init.
-        Its dtype/param_dtype/remat/attention fields are taken from this section, not from
-        `arch`.
+        top of it (`head_dim` is not re-derived). Always the resolved `ModelConfig` after init,
+        carrying this section's dtype/param_dtype/remat/attention/attention_block/mlp_chunk;
+        a mapping that sets one of them to another value than this section is an error.
       dtype: compute dtype. param_dtype: storage dtype of the (master) parameters.
       remat: rematerialise blocks in the backward pass.
       attention: teacher-forcing attention (`ModelConfig.attention`): auto (splash on TPU,
@@ -85,6 +86,11 @@ class ModelSpec:
     mlp_chunk: int = 4096
     seed: int = 0
 
+    def settings(self) -> dict[str, Any]:
+        """The `ModelConfig` fields this section sets (the same in `arch` or an error)."""
+        names = ("dtype", "param_dtype", "remat", "attention", "attention_block", "mlp_chunk")
+        return {name: getattr(self, name) for name in names}
+
     def __post_init__(self):
         if (self.hf_dir is None) == (self.arch is None and self.preset is None):
             raise ConfigError(
@@ -100,33 +106,29 @@ class ModelSpec:
             except ValueError as e:
                 raise ConfigError(f"model.preset: {e}") from None
             fields = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}
-        arch = self.arch
+        arch, section = self.arch, self.settings()
         if arch is None:
             arch = preset
         elif isinstance(arch, Mapping):
+            for key in section.keys() & arch.keys():
+                if arch[key] != section[key]:
+                    raise ConfigError(
+                        f"model.arch.{key} = {arch[key]!r} but model.{key} = {section[key]!r}: "
+                        f"model.{key} is the one used; set it there only"
+                    )
             arch = from_dict(ModelConfig, {**fields, **arch}, prefix="model.arch")
         elif not isinstance(arch, ModelConfig):
             raise ConfigError(
                 f"model.arch = {arch!r} ({type(arch).__name__}) but expected a mapping of "
                 "ModelConfig fields"
             )
-        object.__setattr__(self, "arch", arch)
+        object.__setattr__(self, "arch", arch.replace(**section))
 
     def model_config(self) -> ModelConfig:
         """The resolved architecture (reads `config.json` when `hf_dir` is set)."""
-        section = {
-            "attention": self.attention,
-            "attention_block": self.attention_block,
-            "mlp_chunk": self.mlp_chunk,
-        }
         if self.arch is not None:
-            return self.arch.replace(
-                dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat, **section
-            )
-        cfg = read_hf_config(
-            self.hf_dir, dtype=self.dtype, param_dtype=self.param_dtype, remat=self.remat
-        )
-        return cfg.replace(**section)
+            return self.arch
+        return read_hf_config(self.hf_dir, **self.settings())
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -405,7 +407,7 @@ def to_dict(obj: Any) -> Any:
 
 def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
     """Apply `a.b.c=value` overrides to a nested dict (a copy); values are parsed as YAML."""
-    data = _deep_copy(data)
+    data = copy.deepcopy(data)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
@@ -422,14 +424,6 @@ def apply_overrides(data: dict, overrides: Sequence[str]) -> dict:
                 raise ConfigError(f"override {item!r}: {part!r} is a value, not a section")
             node = child
         node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
-    return data
-
-
-def _deep_copy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _deep_copy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_deep_copy(v) for v in data]
     return data
 
 

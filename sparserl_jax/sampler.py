@@ -35,6 +35,7 @@ __all__ = [
     "published_params",
     "sampler_shardings",
     "step_seeds",
+    "trainer_devices",
 ]
 
 
@@ -50,8 +51,22 @@ def make_meshes(
             f"train.topology=split needs more devices than train.sampler_devices={k}; "
             f"have {len(devices)} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8)"
         )
-    trainer = make_mesh(mesh_cfg, devices[: len(devices) - k])
+    try:
+        trainer = make_mesh(mesh_cfg, devices[: len(devices) - k])
+    except ValueError as e:
+        raise ValueError(f"{e} ({trainer_devices(train_cfg, len(devices))})") from None
     return trainer, make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), devices[len(devices) - k :])
+
+
+def trainer_devices(train_cfg: TrainConfig, num_devices: int) -> str:
+    """How many devices the trainer's mesh is laid over and why, for error messages."""
+    if train_cfg.topology == "colocated":
+        return f"{num_devices} devices"
+    k = train_cfg.sampler_devices
+    return (
+        f"{num_devices - k} devices: {num_devices} less train.sampler_devices={k} for the "
+        "sampler (train.topology=split)"
+    )
 
 
 def sampler_shardings(model: nnx.Module, mesh: Mesh) -> dict[str, Any]:

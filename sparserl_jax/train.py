@@ -46,6 +46,7 @@ from sparserl_jax.data import (
     make_reward_fn,
     prompt_dataset,
     resume_iterator,
+    try_reward_fn,
 )
 from sparserl_jax.kvcache import BudgetController, BudgetState
 from sparserl_jax.metrics import (
@@ -64,6 +65,7 @@ from sparserl_jax.sampler import (
     make_meshes,
     sampler_shardings,
     step_seeds,
+    trainer_devices,
 )
 from sparserl_jax.sft import sft_warm_start
 from sparserl_jax.step import learn_step, rl_batch
@@ -114,8 +116,9 @@ def check_config(cfg: Config) -> None:
             f"the rollout batch, data.batch_size={cfg.data.batch_size} x rollout.n_samples="
             f"{rcfg.n_samples} = {rows} rows, must be a multiple of learner.num_micro_batches "
             f"({micro}) x the trainer mesh's data*fsdp shards ({shards} on "
-            f"{trainer_mesh.devices.size} devices): change data.batch_size, rollout.n_samples, "
-            f"learner.num_micro_batches or mesh.data/mesh.fsdp (e.g. data.batch_size={fit})"
+            f"{trainer_devices(cfg.train, len(jax.devices()))}): change data.batch_size, "
+            "rollout.n_samples, learner.num_micro_batches or mesh.data/mesh.fsdp (e.g. "
+            f"data.batch_size={fit})"
         )
     if cfg.data.reward_fn is not None:
         make_reward_fn(cfg.data)  # imports it: a bad path fails now, not after the SFT stage
@@ -226,6 +229,7 @@ def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
     # Every prompt is read (and a long one skipped or refused) before the model is built.
     limit = PromptLimit(tokenizer, rcfg.max_prompt_len)
     prompts, _ = prompt_dataset(cfg.data, limit=limit)
+    try_reward_fn(cfg.data, prompts)
     held_out = (
         eval_examples(cfg.data, tcfg.eval_examples, limit=limit) if tcfg.eval_examples else []
     )

@@ -1,13 +1,13 @@
 """Paged decode attention as a Pallas GPU kernel.
 
 GPU lowering: **Pallas Triton** (`jax.experimental.pallas.triton.CompilerParams`). The Triton
-backend of Pallas is deprecated from JAX 0.11; its successor is Mosaic GPU, which has no
-scalar-indexed page gather in its BlockSpec pipeline yet, so this kernel stays on Triton until it
-is ported. On a CPU it runs with `interpret=True`; on an H100 (JAX 0.11.2) it matches the XLA
-path within 3e-4 relative error but is not faster in the engine (docs/results.md). Triton wants power-of-two block extents (G, L, H) and dot tiles of at
-least 16: the query heads of each group are padded with zero queries to the next power of two
->= 16 (Qwen2.5's G = 7 runs as 16), as `jax.experimental.pallas.ops.gpu.paged_attention` does;
-the padded rows are sliced off the outputs.
+backend of Pallas is deprecated from JAX 0.11; its successor is Mosaic GPU, which has no scalar-
+indexed page gather in its BlockSpec pipeline yet, so this kernel stays on Triton until it is
+ported. On a CPU it runs with `interpret=True`; on an H100 (JAX 0.11.2) it matches the XLA path
+within 3e-4 relative error but is not faster in the engine (docs/results.md). Triton wants power-of-
+two block extents (G, L, H) and dot tiles of at least 16: the query heads of each group are padded
+with zero queries to the next power of two >= 16 (Qwen2.5's G = 7 runs as 16), as
+`jax.experimental.pallas.ops.gpu.paged_attention` does; the padded rows are sliced off the outputs.
 
 One program per (row, kv head): the G query heads of the group walk the row's pages in order
 with an online softmax (flash-decoding without the split-K), optionally writing the raw logits so

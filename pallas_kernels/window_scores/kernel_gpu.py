@@ -1,11 +1,11 @@
 """Window scoring (SnapKV / R-KV importance) as a Pallas GPU kernel.
 
-GPU lowering: **Pallas Triton** (`jax.experimental.pallas.triton.CompilerParams`), deprecated
-from JAX 0.11 in favour of Mosaic GPU; this kernel stays on Triton until the page gather is
-ported (see `paged_attention/kernel_gpu.py`). Runs on CPU with `interpret=True`; checked against
-XLA on an H100 (docs/results.md). Triton wants power-of-two extents of at least 16 for W, L and H: the window is padded at
-its front with zero queries to `padded_rows(w)` (w = 8 runs as 16); a padded row r + (Wp - w)
-sees exactly the keys real row r sees and is never a real query, so the scores are unchanged.
+GPU lowering: **Pallas Triton** (`jax.experimental.pallas.triton.CompilerParams`), deprecated from
+JAX 0.11 in favour of Mosaic GPU; this kernel stays on Triton until the page gather is ported (see
+`paged_attention/kernel_gpu.py`). Runs on CPU with `interpret=True`; checked against XLA on an H100
+(docs/results.md). Triton wants power-of-two extents of at least 16 for W, L and H: the window is
+padded at its front with zero queries to `padded_rows(w)` (w = 8 runs as 16); a padded row r + (Wp -
+w) sees exactly the keys real row r sees and is never a real query, so the scores are unchanged.
 
 One program per (row, query head). Pass 1 walks the row's pages and keeps, for each of the w
 window queries, the running max and sum of its causally masked softmax; pass 2 walks them again,

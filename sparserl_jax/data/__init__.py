@@ -60,6 +60,7 @@ from sparserl_jax.data.rewards import (
     load_reward_fn,
     make_reward_fn,
     task_reward,
+    try_reward_fn,
 )
 
 __all__ = [
@@ -106,4 +107,5 @@ __all__ = [
     "sft_pairs",
     "solve",
     "task_reward",
+    "try_reward_fn",
 ]

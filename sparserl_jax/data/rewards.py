@@ -12,7 +12,7 @@ import functools
 import importlib
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from jaxtyping import Float
@@ -21,7 +21,7 @@ from sparserl_jax.data.arithmetic import arithmetic_reward
 from sparserl_jax.data.config import DataConfig
 from sparserl_jax.data.countdown import countdown_reward
 from sparserl_jax.data.extract import extract_predicted_number, parse_canonical
-from sparserl_jax.data.records import DataError, Example
+from sparserl_jax.data.records import DataError, Example, PromptBatch
 
 RewardFn = Callable[[Example, str], float]
 
@@ -114,6 +114,28 @@ def make_reward_fn(cfg: DataConfig) -> RewardFn:
         fn = load_reward_fn(cfg.reward_fn)
         return functools.partial(_user_reward, fn, cfg.reward_fn)
     return functools.partial(task_reward, format_reward=cfg.format_reward)
+
+
+def try_reward_fn(cfg: DataConfig, batches: Iterable[PromptBatch]) -> None:
+    """Call the user's `data.reward_fn` once on a real example (the first of `batches`), with
+    its demonstration, or else its answer, as the completion: before the model is built, a
+    function that fails on the data is a `DataError` naming it, the example and the error.
+    Nothing is done without `data.reward_fn` (the built-in rewards are the library's own)."""
+    if cfg.reward_fn is None:
+        return
+    example = next(iter(batches)).examples[0]
+    completion = example.completion or example.answer
+    reward = make_reward_fn(cfg)
+    try:
+        reward(example, completion)
+    except DataError:
+        raise  # a return value that is no finite float, named by `_user_reward`
+    except Exception as e:
+        error = " ".join(f"{type(e).__name__}: {e}".split())
+        raise DataError(
+            f"data.reward_fn {cfg.reward_fn!r} failed on example {example.source} (prompt "
+            f"{example.prompt[:40]!r}, completion {completion[:40]!r}): {error}"
+        ) from e
 
 
 def compute_rewards(

@@ -45,6 +45,7 @@ from sparserl_jax.data import (
     make_reward_fn,
     prompt_dataset,
     resume_iterator,
+    try_reward_fn,
 )
 from sparserl_jax.decoupled.config import refuse_adaptive_kv
 from sparserl_jax.decoupled.evaluate import Evaluator
@@ -131,6 +132,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     # Every prompt is read (and a long one skipped or refused) before the model is built.
     limit = PromptLimit(tokenizer, cfg.rollout.max_prompt_len)
     prompts, _ = prompt_dataset(cfg.data, limit=limit)
+    try_reward_fn(cfg.data, prompts)
     held_out = (
         eval_examples(cfg.data, tcfg.eval_examples, limit=limit) if tcfg.eval_examples else []
     )

@@ -101,12 +101,24 @@ def _rope_from_hf(hf: dict) -> tuple[float, RopeScaling | None]:
 def config_from_hf(hf: dict, **overrides) -> ModelConfig:
     """Build a `ModelConfig` from a parsed Hugging Face `config.json`.
 
+    The family comes from `architectures` (a class in `ARCHITECTURES`), or from `model_type`
+    when no class is named. A named class that is not supported is refused even when
+    `model_type` is (`Qwen2ForSequenceClassification` has model_type `qwen2`): another head on
+    the same backbone would load as a causal LM; the error names both.
+
     Raises `CheckpointError` for an architecture or feature this model does not implement.
     """
     archs = hf.get("architectures") or []
     family = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
+    model_type = hf.get("model_type")
+    if family is None and archs and model_type in _HF_ARCH:
+        raise CheckpointError(
+            f"architectures {archs} is not supported, though model_type {model_type!r} is: "
+            f"this loads only {sorted(ARCHITECTURES)} (set architectures to "
+            f"[{_HF_ARCH[model_type]!r}] if the weights are that model's)"
+        )
     if family is None:
-        family = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(hf.get("model_type"))
+        family = model_type if model_type in _HF_ARCH else None
     if family is None:
         raise CheckpointError(
             f"unsupported architecture {archs or hf.get('model_type')!r}; supported: "
@@ -290,7 +302,11 @@ def _weight_files(path: Path) -> dict[str, Path]:
     )
 
 
-def _read_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[str, np.ndarray]]:
+def _read_tensors(
+    files: dict[str, Path], names: list[str], *, dtypes_only: bool = False
+) -> Iterator[tuple[str, np.ndarray | str]]:
+    """(name, tensor) of `names`, file by file; `dtypes_only`: (name, the dtype in the header,
+    e.g. `BF16`, `I8`) without reading the tensors."""
     by_file: dict[Path, list[str]] = {}
     for name in names:
         by_file.setdefault(files[name], []).append(name)
@@ -298,10 +314,9 @@ def _read_tensors(files: dict[str, Path], names: list[str]) -> Iterator[tuple[st
         with _open_safetensors(fname) as f:
             for name in members:
                 try:
-                    tensor = f.get_tensor(name)
+                    yield name, f.get_slice(name).get_dtype() if dtypes_only else f.get_tensor(name)
                 except SafetensorError as e:
                     raise CheckpointError(f"{fname}: cannot read tensor {name} ({e})") from e
-                yield name, tensor
 
 
 def _open_safetensors(file: Path):
@@ -318,6 +333,7 @@ def from_hf(
     dtype: str | jnp.dtype = "float32",
     param_dtype: str | jnp.dtype = "float32",
     remat: bool = False,
+    **overrides,
 ) -> Transformer:
     """Load a local Hugging Face Llama / Qwen2 / Qwen3 checkpoint directory.
 
@@ -326,12 +342,15 @@ def from_hf(
         `model.safetensors.index.json`). Nothing is fetched from the network.
       dtype: compute dtype. param_dtype: storage dtype of the parameters.
       remat: rematerialise blocks in the backward pass.
+      overrides: other `ModelConfig` fields that are no part of the checkpoint (`attention`,
+        `attention_block`, `mlp_chunk`).
 
     Raises:
-      CheckpointError: unsupported architecture, missing or unexpected tensors, shape mismatch.
+      CheckpointError: unsupported architecture, missing or unexpected tensors, a shape
+        mismatch, a tensor stored in an integer dtype.
     """
     path = Path(path)
-    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat)
+    cfg = read_hf_config(path, dtype=dtype, param_dtype=param_dtype, remat=remat, **overrides)
     mapping = tensor_mapping(cfg)
     files = _weight_files(path)
     expected = {hf_name for hf_name, *_ in mapping}
@@ -346,6 +365,13 @@ def from_hf(
     if extra:
         raise CheckpointError(f"{path}: unexpected tensors {extra[:8]} ({len(extra)} in all)")
 
+    for hf_name, stored in _read_tensors(files, sorted(expected), dtypes_only=True):
+        if stored.startswith(("I", "U", "BOOL")):  # quantized, say: refused before any read
+            stored = stored.lower().replace("i", "int").replace("u", "uint")  # I8 -> int8
+            raise CheckpointError(
+                f"{files[hf_name]}: {hf_name} is stored as {stored}, not a float dtype "
+                "(dequantize the checkpoint first)"
+            )
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     state = nnx.state(model, nnx.Param)
     flat = dict(nnx.to_flat_state(state))

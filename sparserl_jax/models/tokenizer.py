@@ -72,7 +72,8 @@ class HFTokenizer:
     Special ids are read, in order of precedence, from `config.json` (`bos_token_id`,
     `eos_token_id` (int or list), `pad_token_id`), then `generation_config.json`, then the token
     strings in `tokenizer_config.json`. A missing pad id falls back to the first eos id.
-    A file that is corrupt or malformed is a `CheckpointError` naming it.
+    A file that is corrupt or malformed, or an eos id that is no id of the tokenizer's
+    vocabulary, is a `CheckpointError` naming it.
     """
 
     def __init__(self, tokenizer, *, bos_id: int | None, eos_ids: tuple[int, ...], pad_id: int):
@@ -107,24 +108,33 @@ class HFTokenizer:
             read("tokenizer_config.json"),
         )
 
-        def token_id(key: str) -> int | list[int] | None:
-            for src in (config, gen):
+        def token_id(key: str) -> tuple[int | list[int] | None, str]:
+            """The id(s) and the file they come from."""
+            for src, name in ((config, "config.json"), (gen, "generation_config.json")):
                 if src.get(f"{key}_token_id") is not None:
-                    return src[f"{key}_token_id"]
+                    return src[f"{key}_token_id"], name
             token = tcfg.get(f"{key}_token")
             if isinstance(token, dict):
                 token = token.get("content")
-            return tok.token_to_id(token) if isinstance(token, str) else None
+            found = tok.token_to_id(token) if isinstance(token, str) else None
+            return found, "tokenizer_config.json"
 
-        bos = token_id("bos")
-        eos = token_id("eos")
+        bos, _ = token_id("bos")
+        eos, source = token_id("eos")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         if not eos_ids:
             raise CheckpointError(
                 f"{path}: no eos token id in config.json, generation_config.json or "
                 "tokenizer_config.json"
             )
-        pad = token_id("pad")
+        n = tok.get_vocab_size(with_added_tokens=True)
+        for i in eos_ids:  # a stop id the model never emits: completions that never end
+            if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < n:
+                raise CheckpointError(
+                    f"{path}: eos_token_id {i!r} ({source}) is not an id of the tokenizer's "
+                    f"vocabulary [0, {n})"
+                )
+        pad, _ = token_id("pad")
         pad = pad[0] if isinstance(pad, list) else pad
         return cls(
             tok,

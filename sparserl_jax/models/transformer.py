@@ -194,14 +194,20 @@ def segment_positions(segment_ids_bt: Int[Array, "B T"]) -> Int[Array, "B T"]:
 
 def check_token_ids(tokens, vocab_size: int, what: str = "tokens") -> None:
     """Raise ValueError naming the first id of `tokens` outside `[0, vocab_size)`, its position
-    and the vocabulary size (an out-of-range id would silently embed as NaN or zeros).
+    and the vocabulary size (an out-of-range id would silently embed as NaN or zeros), or the
+    dtype of ids that are not integers (floats would be truncated to ids without a word).
 
     `tokens`: any integer array (numpy, a sequence, a `jax.Array`). A traced value (inside
-    `jit`, `vmap`, `grad`) is not checked: its values are unknown there and a check would cost
-    every step; the public entries (`Transformer.__call__`/`decode` called eagerly,
-    `RolloutEngine.generate`, `dense_logprobs`, `Learner.logprobs`/`step`) check their inputs
-    before they trace.
+    `jit`, `vmap`, `grad`) has its dtype checked, not its values: they are unknown there and a
+    check would cost every step; the public entries (`Transformer.__call__`/`decode` called
+    eagerly, `RolloutEngine.generate`, `dense_logprobs`, `Learner.logprobs`/`step`) check their
+    inputs before they trace.
     """
+    dtype = getattr(tokens, "dtype", None)
+    if dtype is None and np.size(tokens):  # a sequence; an empty one has no ids to check
+        dtype = np.asarray(tokens).dtype
+    if dtype is not None and not np.issubdtype(dtype, np.integer):
+        raise ValueError(f"{what}: token ids are {np.dtype(dtype)}, not integers")
     if isinstance(tokens, jax.core.Tracer):
         return
     if isinstance(tokens, jax.Array) and not tokens.is_fully_addressable:

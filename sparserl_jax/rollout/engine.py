@@ -77,6 +77,12 @@ class RolloutEngine:
         self.mesh = mesh
         self.graphdef, state = nnx.split(model)
         self.model_cfg = model.cfg
+        bad = [t for t in config.stop_token_ids if t >= model.cfg.vocab_size]
+        if bad:  # the eos of another vocabulary: no completion would ever stop on it
+            raise ValueError(
+                f"rollout.stop_token_ids: {bad[0]} is outside the model's vocabulary "
+                f"[0, {model.cfg.vocab_size})"
+            )
         self.default_params = nnx.to_pure_dict(state)
         self.stop_ids = jnp.asarray(list(config.stop_token_ids) or [-1], jnp.int32)
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))

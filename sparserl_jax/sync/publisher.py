@@ -204,6 +204,14 @@ class Publisher:
             )
         if jax.tree.structure(master) != self._treedef:
             raise ValueError("master tree structure changed since the first publish")
+        for spec, x in zip(self.specs, jax.tree.leaves(master), strict=True):
+            shape, dtype = tuple(x.shape), published_dtype(x.dtype, pdt).name
+            if (shape, dtype) != (spec.shape, spec.dtype):
+                raise ValueError(
+                    f"master leaf {spec.name} is {shape} {dtype} but was {spec.shape} "
+                    f"{spec.dtype} at the first publish (a publisher's leaves keep their shapes "
+                    "and dtypes: start a new Publisher)"
+                )
         # Nothing in `self` changes until the patch is encoded: a failure leaves the publisher
         # at its last version.
         t0 = time.perf_counter()

@@ -35,11 +35,13 @@ class Generation:
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """Left-aligned `[B, P]` prompt ids and their lengths."""
+    """Left-aligned `[B, P]` prompt ids (int32, or the prompts' own dtype when that is wider,
+    so float ids are not truncated before they are checked) and their lengths."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     width = max(len(p) for p in prompts)
-    out = np.full((len(prompts), width), pad_id, np.int32)
+    dtype = np.result_type(np.int32, *(np.asarray(p).dtype for p in prompts))
+    out = np.full((len(prompts), width), pad_id, dtype)
     for i, p in enumerate(prompts):
         out[i, : len(p)] = p
     return out, np.array([len(p) for p in prompts], np.int32)
@@ -113,6 +115,7 @@ def generate(
     """Generate completions for token-id prompts (greedy when `temperature == 0`)."""
     prompts_bp, lengths_b = pad_prompts(prompts, pad_id)
     check_token_ids(prompts_bp, model.cfg.vocab_size, "prompts")
+    prompts_bp = prompts_bp.astype(np.int32)
     graphdef, state = nnx.split(model)
     stop = jnp.asarray(list(stop_ids) or [-1], jnp.int32)
     tok, logp, mask = _generate(

@@ -47,6 +47,7 @@ from sparserl_jax.sync.errors import (
 from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
 from sparserl_jax.sync.held import ContextCache
 from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, lane_sums, to_bits
+from sparserl_jax.sync.planes import uint_dtype
 from sparserl_jax.sync.transport import Transport
 
 # The first chunk of a leaf copies the held array (kept until the digests are proven), later
@@ -217,6 +218,11 @@ class Receiver:
         that names one. Blobs of any other run are refused (`RunMismatchError`).
       max_header_bytes, max_decoded_bytes: bounds on a blob's header and on the bytes it decodes
         to (`codec.decode`); after the first anchor the receiver's own manifest bounds the latter.
+
+    Format-3 patches are coded against the receiver's old bits: from the first such patch on, the
+    receiver keeps a host copy of the published bits of each leaf they touch (the size of the
+    published weights, e.g. 1 GB for a 0.5B model in bf16), advanced by every apply, so no apply
+    copies a leaf back from the devices.
     """
 
     def __init__(
@@ -238,8 +244,11 @@ class Receiver:
         self.specs: list[codec.TensorSpec] | None = None
         self.arrays: dict[str, jax.Array] = {}
         self._digests: dict[str, np.ndarray] = {}
-        # Format 3: each leaf's context classes of `arrays`, kept across versions.
+        # Format 3: each leaf's context classes of `arrays`, kept across versions, and its bits
+        # on the host (flat uint), read from the devices once when a patch first needs them and
+        # then advanced by every apply: decoding never copies a leaf back from an accelerator.
         self._context = ContextCache()
+        self._host: dict[str, np.ndarray] = {}
         self.state_digest: str | None = None
 
     def sharding_of(self, name: str, shape: tuple[int, ...]) -> Sharding:
@@ -288,7 +297,7 @@ class Receiver:
         patch = codec.decode(
             blob,
             expect=self.specs,
-            base=lambda name: np.asarray(self.arrays[name]),  # format 3 codes against these
+            base=self._host_bits,  # format 3 codes against these
             max_header_bytes=self.max_header_bytes,
             max_decoded_bytes=self.max_decoded_bytes,
             context=self._context,
@@ -339,7 +348,28 @@ class Receiver:
                 self._context.advance(name, t.index, t.bits, t.old)
             elif t.encoding != "unchanged":  # dense, or XOR values (format 2): rebuilt on use
                 self._context.drop(name)
+        self._advance_host(patch)
         return patch.new_version
+
+    def _host_bits(self, name: str) -> np.ndarray:
+        """Leaf `name`'s bits on the host: read from the devices the first time only."""
+        if name not in self._host:
+            held = np.array(self.arrays[name]).reshape(-1)  # the one device-to-host copy
+            self._host[name] = held.view(uint_dtype(held.dtype.itemsize))
+        return self._host[name]
+
+    def _advance_host(self, patch) -> None:
+        """The held host bits follow an applied (verified) patch, from its decoded values."""
+        for name, t in patch.tensors.items():
+            held = self._host.get(name)
+            if held is None or t.encoding == "unchanged":
+                continue
+            if t.encoding == "dense":
+                self._host[name] = np.array(t.bits).reshape(-1).view(held.dtype)
+            elif t.xor:
+                held[t.index] ^= t.bits.astype(held.dtype, copy=False)
+            else:
+                held[t.index] = t.bits.astype(held.dtype, copy=False)
 
     def sync(self, transport: Transport, target: int | None = None) -> list[ApplyEvent]:
         """Catch up to `target` (default: newest available), by chain, else by the newest anchor.

@@ -112,7 +112,11 @@ def test_random_trees_rebuild_bit_identically(run):
         assert_receiver_matches(rc, pub)
 
 
-def _run(n_versions: int, anchor_every: int = 3):
+# Catch-up, late join, refusals and restarts hold for the format the publisher writes.
+FORMATS = pytest.mark.parametrize("fmt", [2, 3])
+
+
+def _run(n_versions: int, anchor_every: int = 3, fmt: int = 2):
     rng = np.random.default_rng(0)
     tm = trainer_mesh()
     master = {
@@ -122,7 +126,7 @@ def _run(n_versions: int, anchor_every: int = 3):
         "b": jnp.asarray(rng.standard_normal(5).astype(np.float32)),
     }
     tr = InProcessTransport()
-    pub = Publisher(tr, config=SyncConfig(anchor_every=anchor_every))
+    pub = Publisher(tr, config=SyncConfig(anchor_every=anchor_every, codec=CodecConfig(format=fmt)))
     pub.publish(master)
     for _ in range(n_versions):
         master = jax.tree.map(lambda x: x - 1e-3 * jnp.sign(x) * (jnp.abs(x) > 0.01), master)
@@ -134,8 +138,9 @@ def snapshot(rc: Receiver):
     return {k: host_bits(v) for k, v in rc.arrays.items()}
 
 
-def test_out_of_order_and_duplicate_are_refused_without_touching_weights():
-    tr, pub = _run(3)
+@FORMATS
+def test_out_of_order_and_duplicate_are_refused_without_touching_weights(fmt):
+    tr, pub = _run(3, fmt=fmt)
     rc = Receiver(sampler_sharding)
     rc.apply(tr.get(0, "anchor"))
     rc.apply(tr.get(1, "patch"))
@@ -154,9 +159,10 @@ def test_out_of_order_and_duplicate_are_refused_without_touching_weights():
     assert_receiver_matches(rc, pub)
 
 
+@FORMATS
 @pytest.mark.parametrize("damage", ["drop", "flip", "truncate", "reordered", "duplicate"])
-def test_damaged_or_missing_version_is_recovered_from_anchor(damage):
-    tr, pub = _run(7, anchor_every=3)
+def test_damaged_or_missing_version_is_recovered_from_anchor(damage, fmt):
+    tr, pub = _run(7, anchor_every=3, fmt=fmt)
     rc = Receiver(sampler_sharding)
     rc.sync(tr, target=1)
     blob = tr.get(2, "patch")
@@ -187,8 +193,9 @@ def test_damaged_or_missing_version_is_recovered_from_anchor(damage):
     assert kinds == [(6, "anchor"), (7, "patch")]
 
 
-def test_late_joiner_starts_from_last_anchor():
-    tr, pub = _run(5, anchor_every=3)
+@FORMATS
+def test_late_joiner_starts_from_last_anchor(fmt):
+    tr, pub = _run(5, anchor_every=3, fmt=fmt)
     rc = Receiver(sampler_sharding)
     events = rc.sync(tr)
     assert [(e.version, e.kind) for e in events] == [(3, "anchor"), (4, "patch"), (5, "patch")]
@@ -254,12 +261,14 @@ def test_special_values_survive_on_sampler_mesh():
     np.testing.assert_array_equal(host_bits(rc.arrays["['w']"]), flipped)
 
 
-def test_start_version_continues_numbering_after_a_restart():
+@FORMATS
+def test_start_version_continues_numbering_after_a_restart(fmt):
     """A resumed trainer publishes an anchor at the version it had reached, then patches on top;
     a fresh receiver joins from that anchor and stays bit-exact."""
     master = {"w": jnp.arange(24, dtype=jnp.float32).reshape(8, 3) / 7, "b": jnp.ones((5,))}
     transport = InProcessTransport()
-    pub = Publisher(transport, config=SyncConfig(anchor_every=4), start_version=6)
+    config = SyncConfig(anchor_every=4, codec=CodecConfig(format=fmt))
+    pub = Publisher(transport, config=config, start_version=6)
     assert pub.publish(master).version == 6
     rc = Receiver(sampler_sharding)
     rc.sync(transport)

@@ -83,9 +83,9 @@ class CodecConfig:
         the ordered line, by measured byte-plane entropy), "new", "xor" or "step" (format 3).
       format: wire format written: 2 (the default) or 3 (context-coded positions, value steps,
         compact header: 30-35% fewer bytes on the bench's updates, but on a CPU host ~1.5x
-        slower to encode and 2-3x slower to apply, and a receiver on an accelerator copies each
-        touched leaf's old bits to the host to decode it). Choose 3 where the link, not the
-        host, is the bottleneck.
+        slower to encode and 2-3x slower to apply, and a receiver holds a host copy of the
+        published bits to decode against). Choose 3 where the link, not the host, is the
+        bottleneck.
       cut_slack: format 3: a leaf keeps its last context cuts while their mask costs at most
         this fraction more than one class per exponent (`cuts.choose_cuts`); 0 (the default)
         picks the best cuts every version. On the bench 0.05 encodes 5-9% faster (no cut changes,

@@ -30,9 +30,11 @@ test-fast: $(STAMP)
 TPU_VENV := .venv-tpu
 TPU_STAMP := $(TPU_VENV)/.installed
 
-$(TPU_STAMP): pyproject.toml
+# The same jax as .venv (built first): one version of jax in both venvs.
+$(TPU_STAMP): pyproject.toml $(STAMP)
 	test -x $(TPU_VENV)/bin/python || $(PYTHON) -m venv $(TPU_VENV)
-	$(TPU_VENV)/bin/python -m pip install -e ".[tpu]" "pytest>=8"
+	$(TPU_VENV)/bin/python -m pip install -e ".[tpu]" "pytest>=8" \
+		"jax[tpu]==$$($(PY) -c 'import jax; print(jax.__version__)')"
 	touch $(TPU_STAMP)
 
 test-tpu-aot: $(TPU_STAMP)

@@ -15,8 +15,10 @@ head, which isolates the teacher-forcing attention's temporaries (`ModelConfig.a
 
 from __future__ import annotations
 
+import collections
 import functools
 import os
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,7 +75,18 @@ def summarize(compiled) -> dict[str, Any]:
         "flops": float(cost.get("flops", 0.0)),
         "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
         "mosaic": "tpu_custom_call" in compiled.as_text(),
+        "mosaic_calls": mosaic_calls(compiled.as_text()),
     }
+
+
+def mosaic_calls(hlo: str) -> dict[str, int]:
+    """How many Mosaic custom calls of each kernel a compiled program holds, by the kernel
+    function's name (`paged_decode_attention_tpu`, `window_scores_tpu`, `compact_pages_tpu`,
+    splash's ...): XLA names each call's instruction after it (`%window_scores_tpu.1 = ...`)."""
+    names = re.findall(
+        r"%([A-Za-z_][\w]*?)(?:\.\d+)? = [^\n]*custom_call_target=\"tpu_custom_call\"", hlo
+    )
+    return dict(collections.Counter(names))
 
 
 def total_bytes(summary: dict[str, Any]) -> int:

@@ -48,7 +48,18 @@ def test_rkv_engine_compiles_on_one_chip(name):
     rc = tpu_aot.engine_config("rkv", slots=8, prompt=32, new=96, page=16, budget=32)
     got = tpu_aot.engine_programs(SMALL, rc, list(tpu.topology(name).devices)[:1])
     _check(got["prefill"])
-    _check(got["decode_chunk"], mosaic=True)  # paged attention, window scores, compaction
+    _check(got["decode_chunk"], mosaic=True)
+    _check_engine_kernels(got["decode_chunk"])
+
+
+def _check_engine_kernels(chunk: dict) -> None:
+    """All three kernels in the R-KV decode chunk, one call per layer (K and V compacted apart):
+    SMALL has 2 layers."""
+    calls = chunk["mosaic_calls"]
+    layers = SMALL.num_layers
+    assert calls.get("paged_decode_attention_tpu", 0) >= layers, calls
+    assert calls.get("window_scores_tpu", 0) >= layers, calls
+    assert calls.get("compact_pages_tpu", 0) >= 2 * layers, calls
 
 
 def test_rkv_engine_compiles_on_a_4_chip_v5p_mesh(v5p):
@@ -59,6 +70,7 @@ def test_rkv_engine_compiles_on_a_4_chip_v5p_mesh(v5p):
     got = tpu_aot.engine_programs(SMALL, rc, v5p[:4])
     _check(got["prefill"])
     _check(got["decode_chunk"], mosaic=True)
+    _check_engine_kernels(got["decode_chunk"])
 
 
 @pytest.mark.parametrize("chips", [1, 4])

@@ -109,9 +109,19 @@ def _bound(record: dict[str, Any], err: float, tol: float) -> dict[str, Any]:
     return {**record, "err": err, "tol": tol, "pass": bool(err <= tol)}
 
 
-def peak_bytes() -> int | None:
-    stats = jax.devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+def platform_kernel() -> str:
+    """The Pallas implementation of the target platform ("pallas_tpu" on TPU, else the GPU
+    kernels, interpreted off a GPU), from `_dispatch.KERNEL_PLATFORM`."""
+    from pallas_kernels._dispatch import KERNEL_PLATFORM, target_platform
+
+    on = {platform: impl for impl, platform in KERNEL_PLATFORM.items()}
+    return on.get(target_platform(), "pallas_gpu")
+
+
+def peak_gib() -> float | None:
+    """The device's `peak_bytes_in_use` in GiB (None where the backend does not report it)."""
+    peak = (jax.devices()[0].memory_stats() or {}).get("peak_bytes_in_use")
+    return None if peak is None else peak / 2**30
 
 
 # ---- env: the device and its memory bandwidth ------------------------------------------------
@@ -177,10 +187,9 @@ def check_kernels(shapes: Shapes, emit: Emit) -> None:
     numerics (relative L2 error, fp32 outputs of bf16 pools; compaction bit for bit) and
     milliseconds per call."""
     from pallas_kernels import compact_pages, paged_decode_attention, window_scores
-    from pallas_kernels._dispatch import target_platform
     from pallas_kernels.paged_attention.api import decode_impl
 
-    kernel = {"tpu": "pallas_tpu"}.get(target_platform(), "pallas_gpu")
+    kernel = platform_kernel()
     reps = shapes.reps
     for case in shapes.kernel_cases:
         page, h, kh, g, pages, rows = case

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.device_checks import MODEL, TPU_AOT_GIB, Emit, Shapes, peak_bytes
+from benchmarks.device_checks import MODEL, TPU_AOT_GIB, Emit, Shapes, peak_gib, platform_kernel
 
 
 def check_learner(shapes: Shapes, emit: Emit, *, seq_len: int, attention: str) -> None:
@@ -79,14 +79,11 @@ def check_engine(shapes: Shapes, emit: Emit, *, slots: int, policy: str, path: s
     from flax import nnx
 
     from benchmarks.rollout import engine_runner, random_prompts
-    from pallas_kernels._dispatch import KERNEL_IMPL_ENV, target_platform
+    from pallas_kernels._dispatch import KERNEL_IMPL_ENV
     from sparserl_jax.kvcache import CompressionConfig
     from sparserl_jax.models import Transformer, model_preset
 
-    if path == "kernel":
-        os.environ[KERNEL_IMPL_ENV] = {"tpu": "pallas_tpu"}.get(target_platform(), "pallas_gpu")
-    else:
-        os.environ[KERNEL_IMPL_ENV] = "xla"
+    os.environ[KERNEL_IMPL_ENV] = platform_kernel() if path == "kernel" else "xla"
     cfg = model_preset(MODEL, **shapes.model).replace(dtype="bfloat16", param_dtype="bfloat16")
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     kv = None
@@ -117,7 +114,7 @@ def check_engine(shapes: Shapes, emit: Emit, *, slots: int, policy: str, path: s
             "step_ms": step_ms,
             "compile_s": compile_s,
             "kv_peak_gib": got["kv_peak_bytes"] / 2**30,
-            "peak_gib": None if peak_bytes() is None else peak_bytes() / 2**30,
+            "peak_gib": peak_gib(),
             "tokens_evicted": got["tokens_evicted"],
             "weight_bytes": weights,
             "kv_bytes_per_step": kv_bytes,

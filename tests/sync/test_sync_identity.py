@@ -335,6 +335,57 @@ def test_format_1_blobs_stay_decodable():
         Receiver(sharding, run_id="abc").apply(V1_ANCHOR)
 
 
+# --- format 2 stays readable -------------------------------------------------------------------
+
+# Written by the format-2 encoder (commit 571fd14), run "pinned-v2": the leaves of the format-1
+# blobs above, an anchor of version 3 (the old state) and a patch 3 -> 4 (both leaves sparse, XOR).
+V2_ANCHOR_3 = base64.b64decode(
+    "UFNZTj8CAABOGGhjZbBM5oS02udoEN5xeyJmb3JtYXQiOjIsImtpbmQiOiJhbmNob3IiLCJydW5faWQiOiJwaW5uZWQt"
+    "djIiLCJiYXNlX3ZlcnNpb24iOm51bGwsImJhc2VfZGlnZXN0IjpudWxsLCJuZXdfdmVyc2lvbiI6MywiY29tcHJlc3Np"
+    "b24iOiJ6c3RkIiwic3RhdGVfZGlnZXN0IjoiOTNmMWU1MmMxOTg1Y2RjOWQ3MWI2YTJiYmRjYTliY2EiLCJ0ZW5zb3Jz"
+    "IjpbeyJuYW1lIjoidyIsInNoYXBlIjpbMzBdLCJkdHlwZSI6ImJmbG9hdDE2IiwiZW5jb2RpbmciOiJkZW5zZSIsImRp"
+    "Z2VzdCI6WzgyNTA1NjQ4NCw0MTA3NTQ2MjYyXSwib2Zmc2V0cyI6eyJkIjowfSwiYnVja2V0IjowfSx7Im5hbWUiOiJi"
+    "Iiwic2hhcGUiOls0XSwiZHR5cGUiOiJmbG9hdDMyIiwiZW5jb2RpbmciOiJkZW5zZSIsImRpZ2VzdCI6WzIyMzY3ODM2"
+    "MjYsMzExMjkzOTA1Ml0sIm9mZnNldHMiOnsiZCI6NjB9LCJidWNrZXQiOjB9XSwiYnVja2V0cyI6W3sic2l6ZSI6ODUs"
+    "InN0cmVhbXMiOltbMCwwXSxbMCwwXSxbMCwwXSxbMCwwXSxbMCwwXSxbMCwwXSxbMCwwXSxbMCwwXSxbODUsNzZdXSwi"
+    "Y2hlY2tzdW0iOiI0ODlhODRiNjU3ZmViNzdlZTJiNTBjNTFiMDQxMjk2MSJ9XX0otS/9IExhAgAAAAEBAgIDAwQEBQUG"
+    "BgcHCAgJCQoKCwsMDA0NDg4PDxAQERESEhMTFBQVFRYWFxcYGBkZGhobGxwcHR0AAIA/AAAAAAAAwH8HAAAA"
+)
+V2_PATCH = base64.b64decode(
+    "UFNZTtICAABxrOR+XUhrgYfyndEAtSd1eyJmb3JtYXQiOjIsImtpbmQiOiJwYXRjaCIsInJ1bl9pZCI6InBpbm5lZC12"
+    "MiIsImJhc2VfdmVyc2lvbiI6MywiYmFzZV9kaWdlc3QiOiI5M2YxZTUyYzE5ODVjZGM5ZDcxYjZhMmJiZGNhOWJjYSIs"
+    "Im5ld192ZXJzaW9uIjo0LCJjb21wcmVzc2lvbiI6InpzdGQiLCJzdGF0ZV9kaWdlc3QiOiJiYzY5MzFkNDM5MjgyZGQy"
+    "YTJlZDE4NzEwNjE5MmZhOCIsInRlbnNvcnMiOlt7Im5hbWUiOiJ3Iiwic2hhcGUiOlszMF0sImR0eXBlIjoiYmZsb2F0"
+    "MTYiLCJlbmNvZGluZyI6InNwYXJzZSIsIm5ueiI6MywiZ2FwX3dpZHRoIjoxLCJ2YWx1ZXMiOiJ4b3IiLCJkaWdlc3Qi"
+    "Ols2OTM2NzU2NDYsNzY4NDU4OTYwXSwib2Zmc2V0cyI6eyJnMCI6MCwidjAiOjAsInYxIjowfSwiYnVja2V0IjowfSx7"
+    "Im5hbWUiOiJiIiwic2hhcGUiOls0XSwiZHR5cGUiOiJmbG9hdDMyIiwiZW5jb2RpbmciOiJzcGFyc2UiLCJubnoiOjIs"
+    "ImdhcF93aWR0aCI6MSwidmFsdWVzIjoieG9yIiwiZGlnZXN0IjpbMjQ3MjA5MjIyNiwzNjgzNTc1NDM0XSwib2Zmc2V0"
+    "cyI6eyJnMCI6MywidjAiOjMsInYxIjozLCJ2MiI6MCwidjMiOjB9LCJidWNrZXQiOjB9XSwiYnVja2V0cyI6W3sic2l6"
+    "ZSI6NjQsInN0cmVhbXMiOltbMTQsNV0sWzAsMF0sWzAsMF0sWzAsMF0sWzE0LDVdLFsxNCw1XSxbMTEsMl0sWzExLDJd"
+    "LFswLDBdXSwiY2hlY2tzdW0iOiJmMjg4OWJjNjA4NWNiYTQwMTZmMzg4MmY1MTYxZDAxOCJ9XX0otS/9IAUpAAADBhIB"
+    "ACi1L/0gBSkAAAEBAQABKLUv/SAFKQAAgICAAAAotS/9IAIRAAAAACi1L/0gAhEAAIAA"
+)
+
+
+def test_format_2_blobs_stay_decodable():
+    old_w, new_w, new_b = _v1_state()
+    old_b = np.array([0x3F800000, 0, 0x7FC00000, 7], np.uint32)
+    patch = decode(V2_PATCH, expect=V1_SPECS)
+    assert (patch.format, patch.kind, patch.base_version, patch.new_version) == (2, "patch", 3, 4)
+    assert patch.run_id == "pinned-v2" and patch.base_digest == "93f1e52c1985cdc9d71b6a2bbdca9bca"
+    w, b = patch.tensors["w"], patch.tensors["b"]
+    assert w.encoding == b.encoding == "sparse" and w.xor and b.xor
+    np.testing.assert_array_equal(w.index, [3, 10, 29])
+    np.testing.assert_array_equal(b.index, [1, 2])
+    # A receiver following the run takes the anchor, then the patch, to the new bits.
+    rc = Receiver(sharding, run_id="pinned-v2")
+    assert rc.apply(V2_ANCHOR_3) == 3
+    assert_bits(rc, {"w": old_w, "b": old_b})
+    assert rc.state_digest == patch.base_digest
+    assert rc.apply(V2_PATCH) == 4
+    assert_bits(rc, {"w": new_w, "b": new_b})
+
+
 # --- bounds ----------------------------------------------------------------------------------
 
 

@@ -86,7 +86,7 @@ _PRESETS = {
         family="qwen2", vocab_size=96, hidden_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=32, intermediate_size=384, qkv_bias=True, tie_embeddings=True,
     ),
-    # ---- benchmarks (random weights; docs/benchmarks.md's figures come from these) -----------
+    # ---- benchmarks (random weights; docs/results.md's figures come from these) -----------
     # benchmarks/loco.py (`tools/bench_loco.py --preset tiny|small|base`).
     "loco-tiny": ModelConfig(
         **_BENCH, vocab_size=128, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1,

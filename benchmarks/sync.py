@@ -5,16 +5,16 @@ a fixed random sparse bigram chain, so the loss really falls and the updates are
 updates. After every step the fp32 master is published as bf16 via `Publisher`, carried by an
 `InProcessTransport` and applied by a `Receiver`; each step's receiver bits are compared with an
 independent `bits(bf16(master))`. Figures: changed elements, payload bytes vs dense bf16 and
-zstd(dense bf16), bytes per changed element, and encode/apply throughput.
+zstd(dense bf16), bytes per changed element, and encode/apply throughput. Encode throughput is
+given both for the patches alone and with the anchors included (`encode_with_anchors_*`: every
+publish's whole time, the anchor every `anchor_every` versions in it, over the patches' bytes).
 
 Every patch is applied by three receivers side by side: `Receiver(verify="all")` (the default),
-`Receiver(verify="touched")` and the pre-issue-19 apply (`benchmarks.sync_apply_v1`, "before"),
+`Receiver(verify="touched")` and the first receiver's apply (`benchmarks.sync_apply_v1`, "before"),
 each timed and checked bit for bit. The XLA executables built during each step's publish and
 each receiver's apply are counted (`sparserl_jax.compiles`).
-The same masters also go through a second publisher/receiver pair writing the previous wire format
-(format 2, untimed), so each step reports the bytes per changed element of both formats side by
-side, and the empirical entropy bound of the patch given the receiver's context
-(`context.entropy_bound`: mask entropy per leaf and old exponent + value-step entropy).
+Each step also reports the empirical entropy bound of the patch given the receiver's context
+(`values.entropy_bound`: mask entropy per leaf and old exponent + value-step entropy).
 """
 
 from __future__ import annotations
@@ -120,13 +120,9 @@ def run(cfg: BenchConfig, log=None) -> dict:
             lambda x: jax.lax.bitcast_convert_type(x.astype(jnp.bfloat16), jnp.uint16), tree
         )
 
-    def sync_config(fmt: int) -> SyncConfig:
-        codec = CodecConfig(zstd_level=cfg.zstd_level, format=fmt, cut_slack=cfg.cut_slack)
-        return SyncConfig(anchor_every=cfg.anchor_every, codec=codec)
-
-    transport, transport_f2 = InProcessTransport(), InProcessTransport()
-    pub = Publisher(transport, config=sync_config(3))
-    pub_f2 = Publisher(transport_f2, config=sync_config(2))  # untimed: sizes side by side
+    codec = CodecConfig(zstd_level=cfg.zstd_level, cut_slack=cfg.cut_slack)
+    transport = InProcessTransport()
+    pub = Publisher(transport, config=SyncConfig(anchor_every=cfg.anchor_every, codec=codec))
     device = jax.devices()[-1]  # the sampler's device (the last fake CPU device when several)
     sharding = jax.sharding.SingleDeviceSharding(device)
     receivers = {
@@ -134,16 +130,13 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "touched": Receiver(lambda name, shape: sharding, verify="touched"),
         "before": ReceiverV1(lambda name, shape: sharding),
     }
-    rc_f2 = Receiver(lambda name, shape: sharding)
     first = pub.publish(initial)
-    pub_f2.publish(initial)
     master_per_published = sum(x.nbytes for x in jax.tree.leaves(initial)) / first.dense_bytes
     for rc in receivers.values():
         rc.sync(transport)
-    rc_f2.sync(transport_f2)
     prev = [np.asarray(x) for x in jax.tree.leaves(published_bits(initial))]
     steps, enc_s, enc_cpu_s, scanned = [], 0.0, 0.0, 0
-    enc_s_f2, app_s_f2 = 0.0, 0.0
+    anchor_s, anchor_cpu_s, anchors = 0.0, 0.0, 0
     app_s, app_cpu_s = dict.fromkeys(receivers, 0.0), dict.fromkeys(receivers, 0.0)
     compiles = {k: [] for k in ("publish", *receivers)}
     for step, (master, loss) in enumerate(trained):
@@ -169,28 +162,20 @@ def run(cfg: BenchConfig, log=None) -> dict:
                 np.array_equal(e, np.asarray(rc.arrays[n]).view(np.uint16))
                 for n, e in zip(pub.names, expect, strict=True)
             )
-        t2 = time.perf_counter()
-        out_f2 = pub_f2.publish(master)
-        t3 = time.perf_counter()
-        rc_f2.apply(transport_f2.get(out_f2.version, "patch"))
-        jax.block_until_ready(list(rc_f2.arrays.values()))
-        t4 = time.perf_counter()
-        identical &= all(
-            np.array_equal(e, np.asarray(rc_f2.arrays[n]).view(np.uint16))
-            for n, e in zip(pub.names, expect, strict=True)
-        )
         bounds = [entropy_bound(o, e, "bfloat16") for o, e in zip(prev, expect, strict=True)]
         bound = np.sum(bounds, axis=0)
         prev = expect
-        # Anchors (every K versions) are timed apart: encode GB/s is the per-step patch path.
+        # Anchors (every K versions) are timed apart: encode GB/s is the per-step patch path,
+        # and with the anchors' time added, what a publisher spends per version in all.
         if step or cfg.steps == 1:  # step 1 includes jit compilation
             enc_s += t1 - t0 - out.anchor_s
             enc_cpu_s += c1 - c0 - out.anchor_cpu_s
+            anchor_s += out.anchor_s
+            anchor_cpu_s += out.anchor_cpu_s
+            anchors += out.anchor is not None
             for name, (w, c) in rec_apply.items():
                 app_s[name] += w
                 app_cpu_s[name] += c
-            enc_s_f2 += t3 - t2 - out_f2.anchor_s
-            app_s_f2 += t4 - t3
             scanned += out.dense_bytes
         changed = out.total_changed
         rec = {
@@ -200,8 +185,6 @@ def run(cfg: BenchConfig, log=None) -> dict:
             "dense_bf16_bytes": out.dense_bytes,
             "ratio": out.dense_bytes / len(out.patch),
             "bytes_per_changed": len(out.patch) / max(changed, 1),
-            "payload_bytes_format2": len(out_f2.patch),
-            "bytes_per_changed_format2": len(out_f2.patch) / max(changed, 1),
             "bound_mask_bytes": float(bound[0]),
             "bound_value_bytes": float(bound[1]),
             "bound_per_changed": float(bound.sum()) / max(changed, 1),
@@ -240,12 +223,6 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "steps": steps,
         "ratio_median": statistics.median(s["ratio"] for s in steps),
         "bytes_per_changed_median": statistics.median(s["bytes_per_changed"] for s in steps),
-        "bytes_per_changed_format2_median": statistics.median(
-            s["bytes_per_changed_format2"] for s in steps
-        ),
-        "ratio_format2_median": statistics.median(
-            s["dense_bf16_bytes"] / s["payload_bytes_format2"] for s in steps
-        ),
         "bound_per_changed_median": statistics.median(s["bound_per_changed"] for s in steps),
         "sparsity_median": statistics.median(s["sparsity"] for s in steps),
         # Baseline: each dense bf16 tensor through zstd level 3 (stronger than the patch's level).
@@ -256,8 +233,15 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "encode_master_gb_per_s": scanned * master_per_published / enc_s / 1e9,
         # Per CPU-second of this process (all its threads): less sensitive to a shared machine.
         "encode_gb_per_cpu_s": scanned / enc_cpu_s / 1e9,
+        # The same with the anchors (every `anchor_every` versions, `anchors` of them in the
+        # timed steps) in the time: a publisher's whole cost per version.
+        "anchors": anchors,
+        "anchor_s_mean": anchor_s / max(anchors, 1),
+        "encode_with_anchors_gb_per_s": scanned / (enc_s + anchor_s) / 1e9,
+        "encode_with_anchors_gb_per_cpu_s": scanned / (enc_cpu_s + anchor_cpu_s) / 1e9,
         # Apply GB/s of published bf16 bytes, per receiver: "apply" is verify="all" (default),
-        # "apply_touched" verify="touched", "apply_before" the pre-issue-19 apply.
+        # "apply_touched" verify="touched", "apply_before" the first receiver's apply (unpadded
+        # scatters, `benchmarks.sync_apply_v1`).
         **applied,
         # XLA executables built per step (publish and each receiver's apply), and the last step
         # (1-based) that built any: flat after it.
@@ -265,9 +249,6 @@ def run(cfg: BenchConfig, log=None) -> dict:
         "last_compiling_step": {
             k: max((i + 1 for i, n in enumerate(v) if n), default=0) for k, v in compiles.items()
         },
-        # The same, for the format-2 publisher and receiver on the same masters (same load).
-        "encode_gb_per_s_format2": scanned / enc_s_f2 / 1e9,
-        "apply_gb_per_s_format2": scanned / app_s_f2 / 1e9,
         "loadavg_1m": os.getloadavg()[0],  # other work on the machine slows every timing
         "all_bit_identical": all(s["bit_identical"] for s in steps),
     }

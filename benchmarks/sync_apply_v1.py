@@ -1,4 +1,4 @@
-"""The receiver's apply before issue 19 (commit a8f3eae), kept as the measured baseline.
+"""The receiver's first apply (commit a8f3eae: unpadded scatters), kept as the measured baseline.
 
 `tools/bench_sync.py` applies every patch with this and with today's `Receiver` side by side.
 Before: each sparse leaf is one scatter padded to the next power of two of its change count (a
@@ -45,7 +45,7 @@ def _pad_size(n: int) -> int:
 
 
 class ReceiverV1(Receiver):
-    """`Receiver` with the pre-issue-19 apply (verify="all" only)."""
+    """`Receiver` with the first apply (verify="all" only)."""
 
     def apply(self, blob: bytes) -> int:
         self._check_order(codec.read_header(blob, max_header_bytes=self.max_header_bytes))

@@ -4,7 +4,7 @@
 
 Trains the model of `tools/bench_sync.py` (same `BenchConfig`), publishes every step with format 3
 and applies each patch with `Receiver(verify="all")` and `Receiver(verify="touched")`. Selected
-functions of the codec and its context are wrapped with a wall-clock accumulator (inclusive:
+functions of the codec and its stages are wrapped with a wall-clock accumulator (inclusive:
 nested calls count in both); after `--warmup` steps (compilation) it prints one JSON line: per
 version, in ms, the publish (`encode`, its `mask_s`, `extract_s`, `codec_s`), each apply, and
 each wrapped function summed over the publisher and both receivers. Bit identity is checked.
@@ -28,27 +28,27 @@ from sparserl_jax.sync.publisher import Publisher, SyncConfig
 from sparserl_jax.sync.receiver import Receiver
 
 # The modules themselves (`sparserl_jax.sync` re-exports a function named `decode`).
-codec, context, decode, held, publisher, receiver = (
+codec, decode, order, publisher, receiver, values = (
     importlib.import_module(f"sparserl_jax.sync.{m}")
-    for m in ("codec", "context", "decode", "held", "publisher", "receiver")
+    for m in ("codec", "decode", "order", "publisher", "receiver", "values")
 )
 
 # (owner, attribute): module functions are looked up through their module at call time, methods
 # through their class, so wrapping the attribute times every call.
 WRAPPED = [
-    (codec, "_plan_cuts"),
-    (codec, "_sparse_v3"),
+    (codec, "_choose_cuts"),
+    (codec, "_sparse"),
     (codec, "context_order"),
-    (codec, "_value_mode"),
-    (codec, "_steps"),
+    (codec, "code_values"),
+    (values, "_steps"),
     (publisher, "digest_update"),
     (decode, "_sparse_v3_values"),
     (decode, "context_select"),
     (receiver, "scatter_changes"),
-    (held.ContextCache, "ranges"),
-    (held.ContextCache, "advance"),
-    (context._Ranges, "select"),
-    (context._Ranges, "rank"),
+    (order.ContextCache, "ranges"),
+    (order.ContextCache, "advance"),
+    (order._Ranges, "select"),
+    (order._Ranges, "rank"),
 ]
 
 

@@ -2,9 +2,9 @@
 
     python tools/bench_sync.py --lr 1e-6 --steps 10 --json
 
-Prints one line per step to stderr (bytes per changed element in wire formats 3 and 2 side by
-side, the entropy bound given the receiver's context, timings, and the XLA executables built by
-the publish and by each receiver's apply: `compiles_*`) and, with --json, one JSON line last on
+Prints one line per step to stderr (bytes per changed element, the entropy bound given the
+receiver's context, timings, and the XLA executables built by the publish and by each receiver's
+apply: `compiles_*`) and, with --json, one JSON line last on
 stdout (see `benchmarks.sync.run`).
 """
 
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         keys = (
             "params", "lr", "ratio_median", "bytes_per_changed_median",
-            "bytes_per_changed_format2_median", "bound_per_changed_median", "encode_gb_per_cpu_s",
+            "bound_per_changed_median", "encode_gb_per_cpu_s", "encode_with_anchors_gb_per_s",
             "apply_gb_per_s", "apply_touched_gb_per_s", "apply_before_gb_per_s",
             "last_compiling_step", "all_bit_identical",
         )  # fmt: skip

@@ -4,8 +4,15 @@
 them, and a `Receiver` validates and applies them bit-exactly on the sampler's devices.
 """
 
-from sparserl_jax.sync.codec import CodecConfig, Patch, TensorPatch, TensorSpec, decode, encode
-from sparserl_jax.sync.context import entropy_bound
+from sparserl_jax.sync.codec import (
+    CodecConfig,
+    Patch,
+    TensorPatch,
+    TensorSpec,
+    decode,
+    encode_anchor,
+    encode_patch,
+)
 from sparserl_jax.sync.errors import (
     BaseMismatchError,
     CorruptPatchError,
@@ -56,6 +63,7 @@ from sparserl_jax.sync.transport import (
     StreamServer,
     Transport,
 )
+from sparserl_jax.sync.values import entropy_bound
 
 __all__ = [
     "ApplyEvent",
@@ -89,7 +97,8 @@ __all__ = [
     "ddp_bytes",
     "decode",
     "diloco_bytes",
-    "encode",
+    "encode_anchor",
+    "encode_patch",
     "entropy_bound",
     "error_feedback",
     "extract_changes",

@@ -4,29 +4,30 @@ Layout (full spec in `docs/sync_format.md`):
 
     b"PSYN" | u32le header_len | blake2b-128(header) | header | bucket 0 | bucket 1 | ...
 
-Format 3 (`CodecConfig(format=3)`; the default writes format 2, and every format stays readable)
-codes a sparse tensor against the receiver's old bits (`context.py`): changed
-positions as gaps between their ranks in the *context order* (elements grouped into up to five
-ranges of their old exponent, the `context` cuts of the entry), values in that order as new
-bits, XOR or signed steps on the ordered bit line (sign bits packed in stream `s`, `|step| - 1`
-in the value planes); its header is zstd-compressed JSON that names tensors only in anchors.
-Decoding a format-3 patch needs the old bits (`base`).
-The rest of this docstring describes what all formats share.
+The encoder writes format 3; `decode` (in `decode.py`, re-exported here) reads formats 1-3. A
+patch follows one path, mask to bytes, one stage per module:
 
-Each tensor is `unchanged`, `sparse` (sorted flat indices as gaps `idx[k] - idx[k-1] - 1`, stored
-at the narrowest width 1/2/4 bytes fitting the largest gap, plus values as the new bits or as
-`new ^ old`, which the receiver holds exactly) or `dense` (all bits; chosen when the sparse form
-would not be smaller, and for anchors). Multi-byte gaps and values are split into byte planes so
-that the mostly-zero high bytes compress (PULSE's "type downscaling", SparseRL-Sync's int16 gaps;
-XOR values as in HF TRL's proposals). Tensors are packed into buckets of about `bucket_bytes`;
-each bucket holds nine streams `g0..g3, v0..v3, d`, each optionally a zstd frame, and carries a
-blake2b-128 checksum of its stored bytes. The header (`header.py`) carries the format version,
-the publishing run's id, base and new version, the digest of the base state (patches), the
-tensor manifest with offsets, per-leaf digests and the digest of the whole new state.
+1. `mask.py` / `extract.py`: which elements changed (on device), their indices and old and new
+   bits (on the host): `LeafChanges`.
+2. Per leaf (`encode_patch`): `unchanged`, `sparse`, or `dense` (all bits) when the sparse form
+   would not be smaller.
+3. `classes.py`: a sparse leaf's elements fall into up to five classes of their *old* exponent
+   (the entry's `context` cuts, chosen for all leaves by one dynamic program).
+4. `order.py`: changed positions are ranked in the context order (class 0 in flat order, then
+   class 1, ...) and sent as gaps between ranks (`planes.gaps_of`) at the narrowest width.
+5. `values.py`: the values in that order, as new bits, XOR, or signed steps on the ordered bit
+   line, whichever is smallest by measured entropy.
+6. `planes.py` and here: multi-byte gaps and values split into byte planes, so the mostly-zero
+   high bytes compress; the entries packed into buckets of about `bucket_bytes`, each stream
+   one zstd frame, each bucket with a blake2b-128 checksum; then the zstd-compressed JSON header
+   (`header.py`): the publishing run's id, base and new version, the base state's digest, the
+   receiver's manifest digest (tensors are named only in anchors), per-leaf digests and the
+   digest of the whole new state.
 
-`decode` (in `decode.py`, re-exported here) validates everything (structure, checksums, sizes,
-offsets, index ranges and order) and raises `CorruptPatchError`/`TruncatedPatchError` before
-returning anything; every size it reads is bounded before it allocates or inflates.
+Decoding a format-3 patch needs the receiver's old bits (`base`), which every receiver holds
+exactly. `decode` validates everything (structure, checksums, sizes, index ranges and order) and
+raises `CorruptPatchError`/`TruncatedPatchError` before returning anything; every size it reads
+is bounded before it allocates or inflates.
 """
 
 from __future__ import annotations
@@ -38,36 +39,26 @@ from typing import Literal
 
 import numpy as np
 
-from sparserl_jax.sync.context import context_order, exponent_histogram, to_line
-from sparserl_jax.sync.cuts import CUT_SLACK, best_cuts, cut_counts, keeps_cuts
+from sparserl_jax.sync.classes import CUT_SLACK, best_cuts, cut_counts, keeps_cuts
 from sparserl_jax.sync.decode import Patch as Patch  # re-exported
 from sparserl_jax.sync.decode import TensorPatch as TensorPatch
 from sparserl_jax.sync.decode import base_bits_of, state_digest
 from sparserl_jax.sync.decode import decode as decode
 from sparserl_jax.sync.extract import LeafChanges
-from sparserl_jax.sync.header import ITEMSIZES as ITEMSIZES  # re-exported
 from sparserl_jax.sync.header import (
-    WRITABLE_FORMATS,
+    FORMAT_VERSION,
+    READABLE_FORMATS,
+    STREAMS_V3,
     TensorSpec,
     check_run_id,
     manifest_digest,
     pack_header,
-    streams_of,
 )
+from sparserl_jax.sync.header import ITEMSIZES as ITEMSIZES  # re-exported
 from sparserl_jax.sync.header import read_header as read_header
-from sparserl_jax.sync.held import ContextCache
-from sparserl_jax.sync.planes import (
-    GAP_WIDTHS,
-    byte_planes,
-    entropy_bytes,
-    gap_width,
-    gaps_of,
-    uint_dtype,
-)
-
-# Values sampled per tensor to choose its value mode: on the bench's updates the chosen mode's
-# estimate is 40-50% below the next one at both learning rates, far beyond this sample's error.
-MODE_SAMPLE = 1 << 12
+from sparserl_jax.sync.order import ContextCache, context_order
+from sparserl_jax.sync.planes import byte_planes, gap_width, gaps_of, uint_dtype
+from sparserl_jax.sync.values import VALUE_MODES, code_values
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -79,25 +70,21 @@ class CodecConfig:
       compression: "zstd" (each stream one zstd frame) or "none".
       zstd_level: zstd level (1..22); 1, as grail: on these byte planes level 3 is ~3x slower and
         no smaller.
-      values: "auto" (per tensor, the smallest of new bits, XOR and, in format 3, signed steps on
-        the ordered line, by measured byte-plane entropy), "new", "xor" or "step" (format 3).
-      format: wire format written: 2 (the default) or 3 (context-coded positions, value steps,
-        compact header: 30-35% fewer bytes on the bench's updates, but on a CPU host ~1.5x
-        slower to encode and 2-3x slower to apply, and a receiver holds a host copy of the
-        published bits to decode against). Choose 3 where the link, not the host, is the
-        bottleneck.
-      cut_slack: format 3: a leaf keeps its last context cuts while their mask costs at most
-        this fraction more than one class per exponent (`cuts.choose_cuts`); 0 (the default)
-        picks the best cuts every version. On the bench 0.05 encodes 5-9% faster (no cut changes,
-        which cost both ends a pass over the leaf, and no search for the best) for 2% (lr 1e-6)
-        to 5% (lr 1e-5) more bytes.
+      values: "auto" (per tensor, the smallest of new bits, XOR and signed steps on the ordered
+        line, by measured byte-plane entropy), "new", "xor" or "step".
+      format: the wire format written: 3, the only one (formats 1 and 2 are still read).
+      cut_slack: a leaf keeps its last context cuts while their mask costs at most this fraction
+        more than one class per exponent (`classes.keeps_cuts`); 0 (the default) picks the best
+        cuts every version. On the bench 0.05 encodes 5-9% faster (no cut changes, which cost
+        both ends a pass over the leaf, and no search for the best) for 2% (lr 1e-6) to 5%
+        (lr 1e-5) more bytes.
     """
 
     bucket_bytes: int = 64 << 20
     compression: Literal["zstd", "none"] = "zstd"
     zstd_level: int = 1
     values: Literal["auto", "new", "xor", "step"] = "auto"
-    format: int = 2
+    format: int = FORMAT_VERSION
     cut_slack: float = CUT_SLACK
 
     def __post_init__(self):
@@ -107,57 +94,142 @@ class CodecConfig:
             raise ValueError(f"compression {self.compression!r} unknown; expected zstd or none")
         if not 1 <= self.zstd_level <= 22:
             raise ValueError(f"zstd_level must be in 1..22, got {self.zstd_level}")
-        if self.values not in ("auto", "new", "xor", "step"):
+        if self.values not in VALUE_MODES:
             raise ValueError(f"values {self.values!r} unknown; expected auto, new, xor or step")
-        if self.format not in WRITABLE_FORMATS:
-            raise ValueError(f"format {self.format!r} unknown; expected one of {WRITABLE_FORMATS}")
+        if self.format != FORMAT_VERSION:
+            known = "read, no longer written" if self.format in READABLE_FORMATS else "unknown"
+            raise ValueError(
+                f"format {self.format!r} {known}; patches are written in format {FORMAT_VERSION}"
+            )
         if not (isinstance(self.cut_slack, int | float) and 0 <= self.cut_slack < 1):
             raise ValueError(f"cut_slack must be a number in [0, 1), got {self.cut_slack!r}")
-        if self.values == "step" and self.format < 3:
-            raise ValueError("values 'step' needs format 3")
 
 
-def _steps(old: np.ndarray, new: np.ndarray, itemsize: int) -> tuple[np.ndarray, np.ndarray]:
-    """(sign bits packed little-endian, `|step| - 1`) of `new - old` on the ordered line."""
-    step = to_line(new, itemsize) - to_line(old, itemsize)  # never 0: the bits differ
-    signs = np.packbits(step < 0, bitorder="little")
-    return signs, (np.abs(step) - 1).astype(uint_dtype(itemsize))
+@dataclasses.dataclass
+class _Entry:
+    """One tensor's manifest entry and the arrays it adds to its bucket's streams."""
+
+    meta: dict
+    streams: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size for a in self.streams.values())
 
 
-def _value_mode(ch: LeafChanges, itemsize: int, config: CodecConfig, steps=None) -> str:
-    """New bits, XOR or (`steps`: format 3's `_steps`) steps: with no entropy stage new bits are
-    never larger, so send them."""
-    if config.values != "auto":
-        return config.values
-    if config.compression == "none":
-        return "new"
-    cost = {
-        "new": entropy_bytes(ch.new, itemsize, MODE_SAMPLE),
-        "xor": entropy_bytes(ch.delta, itemsize, MODE_SAMPLE),
-    }
-    if steps is not None:
-        signs, mags = steps
-        cost["step"] = signs.size + entropy_bytes(mags, itemsize, MODE_SAMPLE)
-    return min(cost, key=cost.get)  # ties: the first, "new"
+def encode_anchor(
+    *,
+    version: int,
+    specs: Sequence[TensorSpec],
+    bits: Callable[[str], np.ndarray],
+    leaf_digests: Mapping[str, np.ndarray],
+    config: CodecConfig,
+    run_id: str | None = None,
+) -> bytes:
+    """Encode anchor `version`: every leaf dense. `bits(name)`: a leaf's full bits on the host;
+    `leaf_digests`: per-leaf digests of that state; `run_id`: the publishing run (None: not
+    stated)."""
+    if run_id is not None:
+        check_run_id(run_id)
+    entries = []
+    for s in specs:
+        entry = _dense(s, bits(s.name))
+        entry.meta = {"name": s.name, "shape": list(s.shape), "dtype": s.dtype, **entry.meta}
+        entries.append(entry)
+    header = dict(kind="anchor", run_id=run_id, base_version=None, base_digest=None)
+    return _frame(header, version, specs, entries, leaf_digests, config, manifest=None)
 
 
-def _plan_cuts(
-    leaves: Sequence[tuple[TensorSpec, LeafChanges, np.ndarray]],
+def encode_patch(
+    *,
+    base_version: int,
+    new_version: int,
+    specs: Sequence[TensorSpec],
+    changes: Mapping[str, LeafChanges],
+    new_bits: Callable[[str], np.ndarray],
+    old_bits: Callable[[str], np.ndarray],
+    leaf_digests: Mapping[str, np.ndarray],
+    config: CodecConfig,
+    run_id: str | None = None,
+    base_digest: str | None = None,
+    context: ContextCache | None = None,
+) -> bytes:
+    """Encode the patch `base_version -> new_version` of `changes` (every leaf's).
+
+    `new_bits(name)` / `old_bits(name)`: a leaf's full new / old bits on the host (the old ones
+    are the receiver's, what the patch is coded against); each is read only where needed: new
+    bits for a leaf sent dense, old bits where `context` does not already hold what the leaf's
+    classes need (always, without a `context`). `leaf_digests`: per-leaf digests of the new
+    state. `run_id` names the publishing run and `base_digest` is the `state_digest` of the state
+    the patch applies to; a receiver checks both before decoding (None: not stated).
+    `context`: the publisher's `ContextCache` of the old bits, used and extended (bitmaps, and
+    each leaf's `last_cuts`, kept while `config.cut_slack` allows); never advanced here.
+    """
+    if run_id is not None:
+        check_run_id(run_id)
+    olds = _OldBits(specs, old_bits)
+    # Step 2: which leaves may go sparse: a one-byte gap and the value cost less than dense.
+    sparse = [s for s in specs if 0 < changes[s.name].count * (1 + s.itemsize) < _dense_bytes(s)]
+    # Step 3: the classes of every such leaf, by one dynamic program over all of them.
+    cuts = _choose_cuts(sparse, changes, olds, config, context)
+    entries = []
+    for s in specs:
+        ch = changes[s.name]
+        if ch.count == 0:
+            entry = _Entry({"encoding": "unchanged"})
+        else:
+            entry = None
+            if s.name in cuts:  # steps 4 and 5
+                entry = _sparse(s, ch, olds, cuts[s.name], config, context)
+            if entry is None:
+                entry = _dense(s, new_bits(s.name))
+        entries.append(entry)
+    header = dict(kind="patch", run_id=run_id, base_version=base_version, base_digest=base_digest)
+    manifest = manifest_digest(specs)
+    return _frame(header, new_version, specs, entries, leaf_digests, config, manifest=manifest)
+
+
+class _OldBits:
+    """Each leaf's old bits, read from `old_bits(name)` once, on first use, and checked."""
+
+    def __init__(self, specs: Sequence[TensorSpec], old_bits: Callable[[str], np.ndarray]):
+        self._specs = {s.name: s for s in specs}
+        self._read = old_bits
+        self._held: dict[str, np.ndarray] = {}
+
+    def of(self, name: str) -> Callable[[], np.ndarray]:
+        """The reader of leaf `name`'s old bits (flat uint)."""
+
+        def read() -> np.ndarray:
+            if name not in self._held:
+                self._held[name] = base_bits_of(self._specs[name], self._read(name))
+            return self._held[name]
+
+        return read
+
+
+def _dense_bytes(s: TensorSpec) -> int:
+    return s.numel * s.itemsize
+
+
+def _choose_cuts(
+    sparse: Sequence[TensorSpec],
+    changes: Mapping[str, LeafChanges],
+    olds: _OldBits,
     config: CodecConfig,
     context: ContextCache | None,
-    held: Mapping[str, list[int]] | None,
 ) -> dict[str, list[int]]:
-    """Format 3: the cuts of each `(spec, changes, old bits)`: the leaf's `held` (last) ones
-    where `config.cut_slack` keeps them, else the best, by one dynamic program over every leaf
-    (`cuts.best_cuts`). Exponent histograms come from `context` when given."""
+    """The context cuts of each leaf that may go sparse (`classes.py`): its last ones where
+    `config.cut_slack` keeps them, else the best. Exponent histograms come from `context` when
+    given (read from the old bits only the first time)."""
     plan, todo = {}, []
-    for s, ch, old in leaves:
+    for s in sparse:
+        ch, read = changes[s.name], olds.of(s.name)
         if context is None:
-            counts = exponent_histogram(old, s.dtype)
+            nk = cut_counts(read(), ch.old, s.dtype)
         else:
-            counts = context.histogram(s.name, old, s.dtype)
-        nk = cut_counts(old, ch.old, s.dtype, counts=counts)
-        prefer = None if held is None else held.get(s.name)
+            nk = cut_counts(None, ch.old, s.dtype, counts=context.histogram(s.name, read, s.dtype))
+        prefer = None if context is None else context.last_cuts.get(s.name)
         if nk is None:
             plan[s.name] = []
         elif keeps_cuts(*nk, prefer, config.cut_slack):
@@ -168,197 +240,92 @@ def _plan_cuts(
     return plan
 
 
-def _sparse_v3(
+def _sparse(
     s: TensorSpec,
     ch: LeafChanges,
-    old_bits: np.ndarray,
-    config: CodecConfig,
+    olds: _OldBits,
     cuts: list[int],
-    context: ContextCache | None = None,
-):
-    """A format-3 sparse entry's gaps (over context positions) and value streams, in that order,
-    for `cuts` over `old_bits` (`decode.base_bits_of`). `context`: the encoder's held class bitmaps
-    (`ContextCache`), used and extended."""
-    # Within a class positions rise with the (sorted) flat index: context order is a stable
-    # sort by class.
-    ranges = None if context is None else context.ranges(s.name, old_bits, s.dtype, cuts)
-    order, pos = context_order(old_bits, s.dtype, cuts, ch.index, ranges, changed_old=ch.old)
-    if cuts:
-        ch = LeafChanges(ch.index[order], ch.delta[order], ch.old[order])
+    config: CodecConfig,
+    context: ContextCache | None,
+) -> _Entry | None:
+    """A sparse entry: positions in context order as gaps (step 4), then the values in that
+    order (step 5); None when it would not be smaller than the dense bits."""
+    read = olds.of(s.name)
+    ranges = None if context is None else context.ranges(s.name, read, s.numel, s.dtype, cuts)
+    order, pos = context_order(read, s.dtype, cuts, ch.index, ranges, changed_old=ch.old)
     gaps = gaps_of(pos)
-    steps = None if config.values in ("new", "xor") else _steps(ch.old, ch.new, s.itemsize)
-    mode = _value_mode(ch, s.itemsize, config, steps)
-    streams = {}
-    if mode == "step":
-        signs, vals = steps
-        streams["s"] = [signs]
-    else:
-        vals = ch.delta if mode == "xor" else ch.new
-    for p, plane in enumerate(byte_planes(vals, s.itemsize)):
-        streams[f"v{p}"] = [plane]
-    return gaps, mode, streams
-
-
-def _compressor(cfg: CodecConfig):
-    if cfg.compression == "none":
+    width = gap_width(int(gaps.max()))
+    if ch.count * (width + s.itemsize) >= _dense_bytes(s):
         return None
-    import zstandard
+    if context is not None:
+        context.last_cuts[s.name] = cuts
+    old, new = (ch.old, ch.new) if not cuts else (ch.old[order], ch.new[order])
+    mode, value_streams = code_values(
+        old, new, s.itemsize, values=config.values, entropy=config.compression != "none"
+    )
+    meta = dict(encoding="sparse", nnz=ch.count, gap_width=width, values=mode, context=cuts)
+    streams = {f"g{p}": plane for p, plane in enumerate(byte_planes(gaps, width))}
+    return _Entry(meta, {**streams, **value_streams})
 
-    return zstandard.ZstdCompressor(level=cfg.zstd_level)
+
+def _dense(s: TensorSpec, bits) -> _Entry:
+    """A dense entry: every bit of the leaf (`bits`, on the host)."""
+    bits = np.asarray(bits)
+    if bits.shape != s.shape or bits.dtype.itemsize != s.itemsize:
+        raise ValueError(f"dense bits of {s.name}: {bits.shape}/{bits.dtype} != {s}")
+    raw = np.ascontiguousarray(bits.astype(uint_dtype(s.itemsize), copy=False)).view(np.uint8)
+    return _Entry({"encoding": "dense"}, {"d": raw.reshape(-1)})
 
 
-def encode(
-    *,
-    kind: Literal["patch", "anchor"],
-    base_version: int | None,
+def _frame(
+    header: dict,
     new_version: int,
     specs: Sequence[TensorSpec],
-    changes: Mapping[str, LeafChanges] | None,
-    dense_bits: Callable[[str], np.ndarray],
+    entries: Sequence[_Entry],
     leaf_digests: Mapping[str, np.ndarray],
     config: CodecConfig,
-    run_id: str | None = None,
-    base_digest: str | None = None,
-    base_bits: Callable[[str], np.ndarray] | None = None,
-    context: ContextCache | None = None,
-    cuts: dict[str, list[int]] | None = None,
+    *,
+    manifest: str | None,
 ) -> bytes:
-    """Encode one patch (`changes` per leaf) or anchor (`changes=None`: every leaf dense).
+    """Step 6: the entries packed into buckets (a tensor never spans two; each stream's segments
+    tile it in manifest order), then the header, as one blob."""
+    for s, entry in zip(specs, entries, strict=True):
+        entry.meta["digest"] = [int(v) for v in np.asarray(leaf_digests[s.name], np.uint32)]
+    groups, size = [[]], 0
+    for entry in entries:
+        if groups[-1] and size + entry.nbytes > config.bucket_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry.nbytes
+    if config.compression == "none":
+        compress = None
+    else:
+        import zstandard
 
-    `dense_bits(name)` returns a leaf's full new bits on the host; it is called only for leaves
-    sent dense. `base_bits(name)` returns a leaf's full *old* bits on the host (the receiver's
-    context); format-3 patches call it for leaves sent sparse. `leaf_digests` are the per-leaf
-    digests of the new published state. `run_id` names the publishing run and `base_digest`
-    (patches only) is the `state_digest` of the state the patch applies to; a receiver checks
-    both before decoding (None: not stated). `context`: the publisher's `ContextCache` for the
-    base bits (format 3), so a leaf's classes are not rebuilt from `base_bits` every version.
-    `cuts`: per leaf, the context cuts of its last format-3 sparse entry, kept while nearly as
-    good (`CodecConfig.cut_slack`: a new cut costs both ends a pass over the leaf); updated in
-    place with this patch's. Encoding depends on it, never on `context`.
-    """
-    if kind == "anchor" and (changes is not None or base_version is not None or base_digest):
-        raise ValueError("an anchor has no base_version, base_digest or changes")
-    if kind == "patch" and (changes is None or base_version is None):
-        raise ValueError("a patch needs base_version and changes")
-    if run_id is not None:
-        check_run_id(run_id)
-    fmt = config.format
-    if fmt >= 3 and kind == "patch" and base_bits is None:
-        raise ValueError("a format-3 patch needs base_bits (the receiver's old bits)")
-    old_of: dict[str, np.ndarray] = {}
-    plan: dict[str, list[int]] = {}
-    if fmt >= 3 and kind == "patch":  # the old bits and cuts of every leaf that may go sparse
-        for s in specs:
-            ch = changes[s.name]
-            if ch.count > 0 and ch.count * (1 + s.itemsize) < s.numel * s.itemsize:
-                old_of[s.name] = base_bits_of(s, base_bits(s.name))
-        leaves = [(s, changes[s.name], old_of[s.name]) for s in specs if s.name in old_of]
-        plan = _plan_cuts(leaves, config, context, cuts)
-    entries: list[tuple[dict, dict[str, list[np.ndarray]]]] = []
-    for s in specs:
-        entry: dict = {}
-        if fmt < 3 or kind == "anchor":  # format-3 patches carry a manifest digest instead
-            entry.update(name=s.name, shape=list(s.shape), dtype=s.dtype)
-        streams: dict[str, list[np.ndarray]] = {}
-        ch = None if changes is None else changes[s.name]
-        sparse = None
-        if ch is not None and ch.count == 0:
-            entry["encoding"] = "unchanged"
-        elif ch is not None and ch.count * (1 + s.itemsize) < s.numel * s.itemsize:
-            if fmt >= 3 and ch.count * (GAP_WIDTHS[-1] + s.itemsize) < s.numel * s.itemsize:
-                sparse = (None, None)  # smaller at any gap width: format 3 has its own gaps
-            else:
-                gaps = gaps_of(ch.index)
-                width = gap_width(int(gaps.max()))
-                if ch.count * (width + s.itemsize) < s.numel * s.itemsize:
-                    sparse = (gaps, width)
-        if sparse is not None and fmt >= 3:
-            used = plan[s.name]
-            gaps, mode, vstreams = _sparse_v3(s, ch, old_of[s.name], config, used, context)
-            if cuts is not None:
-                cuts[s.name] = used
-            width = gap_width(int(gaps.max()))
-            entry.update(encoding="sparse", nnz=ch.count, gap_width=width, values=mode)
-            entry["context"] = used
-            for p, plane in enumerate(byte_planes(gaps, width)):
-                streams[f"g{p}"] = [plane]
-            streams.update(vstreams)
-        elif sparse is not None:
-            gaps, width = sparse
-            mode = _value_mode(ch, s.itemsize, config)
-            vals = ch.delta if mode == "xor" else ch.new
-            entry.update(encoding="sparse", nnz=ch.count, gap_width=width, values=mode)
-            for p, plane in enumerate(byte_planes(gaps, width)):
-                streams[f"g{p}"] = [plane]
-            for p, plane in enumerate(byte_planes(vals, s.itemsize)):
-                streams[f"v{p}"] = [plane]
-        elif entry.get("encoding") is None:
-            dense = np.asarray(dense_bits(s.name))
-            if dense.shape != s.shape or dense.dtype.itemsize != s.itemsize:
-                raise ValueError(f"dense bits of {s.name}: {dense.shape}/{dense.dtype} != {s}")
-            entry["encoding"] = "dense"
-            streams["d"] = [
-                np.ascontiguousarray(dense.astype(uint_dtype(s.itemsize))).view(np.uint8)
-            ]
-        entry["digest"] = [int(v) for v in np.asarray(leaf_digests[s.name], np.uint32)]
-        entries.append((entry, streams))
-
-    cctx = _compressor(config)
-    buckets_meta, bucket_blobs = [], []
-    manifest: list[dict] = []
-
-    names = streams_of(fmt)
-
-    def flush(group):
-        raw = {k: [] for k in names}
-        for entry, streams in group:
-            for k, chunks in streams.items():
-                offset = sum(c.size for c in raw[k])
-                raw[k].extend(chunks)
-                if fmt < 3:  # format 3: segments tile each stream in manifest order
-                    entry.setdefault("offsets", {})[k] = offset
-            if entry["encoding"] != "unchanged" or fmt < 3:
-                entry["bucket"] = len(buckets_meta)
-            manifest.append(entry)
-        stored, sizes = [], []
-        for k in names:
-            data = b"".join(c.tobytes() for c in raw[k])
-            comp = data if cctx is None or not data else cctx.compress(data)
-            stored.append(comp)
-            sizes.append([len(comp), len(data)])
+        compress = zstandard.ZstdCompressor(level=config.zstd_level).compress
+    buckets, blobs = [], []
+    for b, group in enumerate(groups if entries else []):
+        stored, table = [], []
+        for k in STREAMS_V3:
+            data = b"".join(e.streams[k].tobytes() for e in group if k in e.streams)
+            stored.append(data if compress is None or not data else compress(data))
+            table.append([len(stored[-1]), len(data)])
+        for e in group:
+            if e.meta["encoding"] != "unchanged":
+                e.meta["bucket"] = b
         blob = b"".join(stored)
-        buckets_meta.append(
-            {
-                "size": len(blob),
-                "streams": sizes,
-                "checksum": hashlib.blake2b(blob, digest_size=16).hexdigest(),
-            }
-        )
-        bucket_blobs.append(blob)
-
-    group, group_bytes = [], 0
-    for entry, streams in entries:
-        nbytes = sum(c.size for chunks in streams.values() for c in chunks)
-        if group and group_bytes + nbytes > config.bucket_bytes:
-            flush(group)
-            group, group_bytes = [], 0
-        group.append((entry, streams))
-        group_bytes += nbytes
-    if group:
-        flush(group)
-
+        checksum = hashlib.blake2b(blob, digest_size=16).hexdigest()
+        buckets.append({"size": len(blob), "streams": table, "checksum": checksum})
+        blobs.append(blob)
     header = {
-        "format": fmt,
-        "kind": kind,
-        "run_id": run_id,
-        "base_version": base_version,
-        "base_digest": base_digest,
+        "format": FORMAT_VERSION,
+        **header,
         "new_version": new_version,
         "compression": config.compression,
         "state_digest": state_digest(specs, leaf_digests),
-        "tensors": manifest,
-        "buckets": buckets_meta,
+        "tensors": [e.meta for e in entries],
+        "buckets": buckets,
+        "manifest": manifest,
     }
-    if fmt >= 3:
-        header["manifest"] = manifest_digest(specs) if kind == "patch" else None
-    return b"".join([pack_header(header), *bucket_blobs])
+    return b"".join([pack_header(header), *blobs])

@@ -15,7 +15,6 @@ from typing import Literal
 
 import numpy as np
 
-from sparserl_jax.sync.context import context_select, from_line, to_line
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
 from sparserl_jax.sync.header import (
     FORMAT_VERSION,
@@ -31,8 +30,9 @@ from sparserl_jax.sync.header import (
 )
 from sparserl_jax.sync.header import corrupt_unless as _check
 from sparserl_jax.sync.header import is_uint as _int
-from sparserl_jax.sync.held import ContextCache
+from sparserl_jax.sync.order import ContextCache, context_select
 from sparserl_jax.sync.planes import from_planes, positions_of, uint_dtype
+from sparserl_jax.sync.values import from_steps
 
 __all__ = ["Patch", "TensorPatch", "decode", "state_digest"]
 
@@ -145,9 +145,9 @@ def _sparse_v3_values(
     context: ContextCache | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Flat-sorted (index, new bits, old bits) of a format-3 sparse entry, given the leaf's old
-    bits."""
+    bits: the codec's stages 4 and 5 (`order.py`, `values.py`) inverted."""
     old_full = base_bits_of(s, old_full)
-    ranges = None if context is None else context.ranges(s.name, old_full, s.dtype, cuts)
+    ranges = None if context is None else context.ranges(s.name, old_full, s.numel, s.dtype, cuts)
     index = context_select(old_full, s.dtype, cuts, pos, ranges)
     old = old_full[index]
     if mode == "new":
@@ -155,16 +155,7 @@ def _sparse_v3_values(
     elif mode == "xor":
         new = old ^ vals
     else:
-        neg = np.unpackbits(np.asarray(signs), bitorder="little")
-        _check(not neg[pos.size :].any(), f"tensor {s.name}: sign stream padding is not zero")
-        mag = vals.astype(np.int32 if s.itemsize < 4 else np.int64) + 1  # as `to_line`
-        line = to_line(old, s.itemsize) + np.where(neg[: pos.size] != 0, -mag, mag)
-        top = 1 << (8 * s.itemsize - 1)
-        _check(
-            bool(np.all((line >= -top) & (line < top))),
-            f"tensor {s.name}: a step leaves the range of {s.dtype} bit patterns",
-        )
-        new = from_line(line, s.itemsize)
+        new = from_steps(old, vals, signs, s.itemsize, f"tensor {s.name}")
     order = np.argsort(index, kind="stable")
     return index[order], new[order], old[order]
 

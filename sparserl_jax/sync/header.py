@@ -24,7 +24,7 @@ import re
 import secrets
 import struct
 
-from sparserl_jax.sync.context import MAX_CUTS, max_exponent
+from sparserl_jax.sync.classes import MAX_CUTS, max_exponent
 from sparserl_jax.sync.errors import CorruptPatchError, TruncatedPatchError
 from sparserl_jax.sync.planes import GAP_WIDTHS
 
@@ -53,7 +53,6 @@ __all__ = [
 MAGIC = b"PSYN"
 FORMAT_VERSION = 3
 READABLE_FORMATS = (1, 2, 3)
-WRITABLE_FORMATS = (2, 3)
 PREFIX_BYTES = 4 + 4 + 16
 # A header is ~250 bytes per tensor; 64 MiB holds a manifest of ~250k tensors.
 MAX_HEADER_BYTES = 64 << 20

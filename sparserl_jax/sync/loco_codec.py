@@ -5,14 +5,14 @@
             | streams
 
 Positions are entropy-coded instead of travelling as int32 indices or the raw bitmask: the sorted
-flat indices of the sent entries are ranked in the *context order* of `context.py` (the elements
+flat indices of the sent entries are ranked in the *context order* of `order.py` (the elements
 grouped into at most five classes of their low-precision exponent in the receiver's θ, cuts
-chosen per payload by `cuts.choose_cuts`) and sent as gaps (`planes.gaps_of`) in byte planes
+chosen per payload by `classes.choose_cuts`) and sent as gaps (`planes.gaps_of`) in byte planes
 of the narrowest width that holds the largest (position mode 0), or, where that is smaller, as
 the gate packed 8 entries to a byte in the same order (mode 1; zstd codes gaps within ~1.5% of
 the gate's entropy at 2-15% density but drifts 10-30% above it from ~30%, where the packed gate
 stays within 1%). Every replica holds the global θ bit for bit, so the receiver rebuilds the same
-classes (`context.context_select`). The gate fires where |s| reaches about half a bf16 ulp of θ,
+classes (`order.context_select`). The gate fires where |s| reaches about half a bf16 ulp of θ,
 and the ulp is set by θ's exponent, so the classes separate entries of different firing rates.
 Values follow as their bit patterns (uint16 for bf16 values, uint32 for fp32) in the same order,
 in byte planes. Each stream (position streams, then value planes) is one zstd frame, or raw bytes
@@ -29,18 +29,17 @@ import struct
 
 import numpy as np
 
-from sparserl_jax.sync.context import (
+from sparserl_jax.sync.classes import (
     MAX_CUTS,
+    choose_cuts,
     class_mask_bits,
-    context_rank,
-    context_select,
     exponent_key,
     max_exponent,
 )
-from sparserl_jax.sync.cuts import choose_cuts
 from sparserl_jax.sync.decode import inflate
 from sparserl_jax.sync.errors import TruncatedPatchError
 from sparserl_jax.sync.header import corrupt_unless as _check
+from sparserl_jax.sync.order import context_rank, context_select
 from sparserl_jax.sync.planes import (
     GAP_WIDTHS,
     byte_planes,

@@ -24,7 +24,6 @@ from sparserl_jax.sync import codec
 from sparserl_jax.sync.errors import RunMismatchError, SyncError
 from sparserl_jax.sync.extract import extract_changes, host_bits
 from sparserl_jax.sync.header import check_run_id, new_run_id, read_header
-from sparserl_jax.sync.held import ContextCache
 from sparserl_jax.sync.mask import (
     digest_update,
     leaf_digests,
@@ -32,6 +31,7 @@ from sparserl_jax.sync.mask import (
     published_dtype,
     visible_bitmap,
 )
+from sparserl_jax.sync.order import ContextCache
 from sparserl_jax.sync.transport import KINDS, Transport
 
 PUBLISH_DTYPES = ("bfloat16", "float16", "float32", "keep")
@@ -118,10 +118,9 @@ class Publisher:
         self._treedef = None
         self._sent = None
         self._digests: dict[str, np.ndarray] = {}
-        # Format 3: each leaf's context classes of `_sent`, kept across versions, and the cuts
-        # of its last sparse entry (preferred while nearly as good: `codec.encode`).
+        # Each leaf's context classes of `_sent` and its last cuts, kept across versions: in
+        # steady state a patch reads no leaf's old bits back from its devices.
         self._context = ContextCache()
-        self._cuts: dict[str, list[int]] = {}
 
     @property
     def sent_bits(self):
@@ -134,13 +133,10 @@ class Publisher:
         if self._digests and any(not np.array_equal(full[k], self._digests[k]) for k in full):
             raise RuntimeError("incremental digest diverged from the full digest (a PULSESync bug)")
         self._digests = full
-        return codec.encode(
-            kind="anchor",
-            base_version=None,
-            new_version=self.version,
+        return codec.encode_anchor(
+            version=self.version,
             specs=self.specs,
-            changes=None,
-            dense_bits=lambda n: host_bits(leaves[n]),
+            bits=lambda n: host_bits(leaves[n]),
             leaf_digests=self._digests,
             config=self.config.codec,
             run_id=self.run_id,
@@ -236,24 +232,21 @@ class Publisher:
                 digests[n] = digest_update(digests[n], ch.index, ch.old, ch.new)
         dense_of = dict(zip(self.names, jax.tree.leaves(new_sent), strict=True))
         old_of = dict(zip(self.names, jax.tree.leaves(self._sent), strict=True))
-        patch = codec.encode(
-            kind="patch",
+        patch = codec.encode_patch(
             run_id=self.run_id,
             base_digest=self.state_digest,
             base_version=self.version,
             new_version=self.version + 1,
             specs=self.specs,
             changes=changes,
-            dense_bits=lambda n: host_bits(dense_of[n]),
-            base_bits=lambda n: host_bits(old_of[n]),
+            new_bits=lambda n: host_bits(dense_of[n]),
+            old_bits=lambda n: host_bits(old_of[n]),
             leaf_digests=digests,
             config=self.config.codec,
             context=self._context,
-            cuts=(cuts := dict(self._cuts)),
         )
         t3 = time.perf_counter()
         self._sent, self._digests, self.version = new_sent, digests, self.version + 1
-        self._cuts = cuts
         for n, ch in changes.items():
             self._context.advance(n, ch.index, ch.new, ch.old)
         anchor, c3 = None, time.process_time()

@@ -45,8 +45,8 @@ from sparserl_jax.sync.errors import (
     VersionError,
 )
 from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
-from sparserl_jax.sync.held import ContextCache
 from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, lane_sums, to_bits
+from sparserl_jax.sync.order import ContextCache
 from sparserl_jax.sync.planes import uint_dtype
 from sparserl_jax.sync.transport import Transport
 

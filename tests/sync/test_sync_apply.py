@@ -129,10 +129,11 @@ def _corrupt(rc: Receiver, name: str, flat_index: int) -> None:
 @pytest.mark.parametrize("verify", ["all", "touched"])
 @pytest.mark.parametrize("where", ["written", "elsewhere"])
 def test_verify_modes_refuse_a_corrupted_base(verify, where):
-    tr, _ = _publish_counts([50, 60, 70])
+    tr, pub = _publish_counts([50, 60, 70])
     rc = Receiver(lambda n, s: SingleDeviceSharding(jax.devices()[0]), verify=verify)
     rc.sync(tr, target=1)
-    patch_index = decode(tr.get(2, "patch")).tensors["['w']"].index
+    base = lambda n: np.asarray(rc.arrays[n])  # noqa: E731  (the receiver's bits, uncorrupted)
+    patch_index = decode(tr.get(2, "patch"), expect=rc.specs, base=base).tensors["['w']"].index
     untouched = np.setdiff1d(np.arange(512 * 512), patch_index)
     _corrupt(rc, "['w']", int(patch_index[7] if where == "written" else untouched[123]))
     held = {k: np.asarray(to_bits(v, None)) for k, v in rc.arrays.items()}
@@ -143,6 +144,14 @@ def test_verify_modes_refuse_a_corrupted_base(verify, where):
         rc.verify = "all"
         with pytest.raises(CorruptPatchError, match=r"digest mismatch after apply in \[\"\['w'\]"):
             rc.apply(tr.get(3, "patch"))
+        return
+    if verify == "all" and where == "written":
+        # Format 3 decodes against the receiver's host copy of the bits and writes the new bits:
+        # the patch overwrites the corrupted element, and the full check proves the result.
+        rc.sync(tr)
+        assert rc.version == 3
+        for name, sent in zip(pub.names, jax.tree.leaves(pub.sent_bits), strict=True):
+            np.testing.assert_array_equal(np.asarray(to_bits(rc.arrays[name], None)), sent)
         return
     with pytest.raises(CorruptPatchError, match=r"digest mismatch after apply in \[\"\['w'\]\"\]"):
         rc.apply(tr.get(2, "patch"))

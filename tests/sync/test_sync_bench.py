@@ -1,5 +1,5 @@
-"""Smoke test of the sync benchmark on the tiny preset: real AdamW steps, bit-identical syncs in
-formats 2 and 3, the entropy bound below both."""
+"""Smoke test of the sync benchmark on the tiny preset: real AdamW steps, bit-identical syncs,
+the entropy bound below the patches, encode speed with and without the anchors."""
 
 import json
 
@@ -20,10 +20,13 @@ def test_bench_tiny_is_bit_identical_and_reports_its_fields():
         assert s["changed"] > 0 and s["bit_identical"]
         assert s["payload_bytes"] < s["dense_bf16_bytes"] == 2 * out["params"]
         assert s["bytes_per_changed"] == s["payload_bytes"] / s["changed"]
-        assert s["payload_bytes_format2"] > 0 and s["bound_mask_bytes"] > 0
+        assert s["bound_mask_bytes"] > 0
         # The bound counts mask and values only: no patch (with its header) is below it.
         assert 0 < s["bound_per_changed"] < s["bytes_per_changed"]
     assert out["encode_gb_per_s"] > 0 and out["apply_gb_per_s"] > 0
+    # Step 2 publishes anchor 2 (anchor_every=2); step 1 (compiles) is not timed.
+    assert out["anchors"] == 1 and out["anchor_s_mean"] > 0
+    assert 0 < out["encode_with_anchors_gb_per_s"] < out["encode_gb_per_s"]
     assert out["apply_touched_gb_per_s"] > 0 and out["apply_before_gb_per_s"] > 0
     for k in ("publish", "all", "touched", "before"):
         assert len(out["compiles_per_step"][k]) == 2

@@ -1,5 +1,6 @@
-"""Codec property tests: encode -> decode -> rebuild is bit-identical in formats 2 and 3 (the
-context-coded one, decoded against the receiver's old bits); corruption is refused."""
+"""Codec property tests: encode -> decode -> rebuild is bit-identical (format 3, decoded against
+the receiver's old bits); corruption is refused. Formats 1 and 2, no longer written, are read:
+their pinned blobs are in `test_sync_identity.py`, a hand-built format-2 layout here."""
 
 import dataclasses
 import hashlib
@@ -17,11 +18,14 @@ from sparserl_jax.sync import (
     TensorSpec,
     TruncatedPatchError,
     decode,
-    encode,
+    encode_anchor,
+    encode_patch,
 )
 from sparserl_jax.sync import codec as codec_module
+from sparserl_jax.sync.classes import MAX_CUTS, max_exponent
 from sparserl_jax.sync.codec import ITEMSIZES, read_header
-from sparserl_jax.sync.context import MAX_CUTS, from_line, max_exponent, to_line
+from sparserl_jax.sync.header import pack_header
+from sparserl_jax.sync.values import from_line, to_line
 from sparserl_jax.testing.sync import mutate, np_digest, random_bits
 
 DTYPES = ["bfloat16", "float32", "float16", "int32", "int8", "uint16", "bool"]
@@ -57,14 +61,11 @@ def cases(draw):
         else:
             new = mutate(rng, old, pattern, density, dtype)
         leaves.append((TensorSpec(f"p{i}/{dtype}", shape, dtype), old, new))
-    fmt = draw(st.sampled_from([2, 3]))
-    modes = ["auto", "new", "xor"] + (["step"] if fmt == 3 else [])
     config = CodecConfig(
         bucket_bytes=draw(st.sampled_from([1, 64, 2048, 1 << 20])),
         compression=draw(st.sampled_from(["zstd", "none"])),
         zstd_level=draw(st.sampled_from([1, 3])),
-        values=draw(st.sampled_from(modes)),
-        format=fmt,
+        values=draw(st.sampled_from(VALUES_3)),
     )
     return leaves, config
 
@@ -85,14 +86,17 @@ def encode_case(leaves, config, kind="patch"):
     digests = {s.name: np_digest(new) for s, _, new in leaves}
     dense = {s.name: new for s, _, new in leaves}
     olds = {s.name: old for s, old, _ in leaves}
-    return encode(
-        kind=kind,
-        base_version=3 if kind == "patch" else None,
+    if kind == "anchor":
+        return encode_anchor(
+            version=4, specs=specs, bits=dense.__getitem__, leaf_digests=digests, config=config
+        )
+    return encode_patch(
+        base_version=3,
         new_version=4,
         specs=specs,
-        changes=changes if kind == "patch" else None,
-        dense_bits=dense.__getitem__,
-        base_bits=olds.__getitem__,
+        changes=changes,
+        new_bits=dense.__getitem__,
+        old_bits=olds.__getitem__,
         leaf_digests=digests,
         config=config,
     )
@@ -154,11 +158,10 @@ def _simple_leaves():
     ]
 
 
-@pytest.mark.parametrize("fmt", [2, 3])
 @pytest.mark.parametrize("compression", ["zstd", "none"])
-def test_every_flipped_byte_is_refused(compression, fmt):
+def test_every_flipped_byte_is_refused(compression):
     leaves = _simple_leaves()
-    blob = encode_case(leaves, CodecConfig(compression=compression, bucket_bytes=512, format=fmt))
+    blob = encode_case(leaves, CodecConfig(compression=compression, bucket_bytes=512))
     decode_case(blob, leaves)
     rng = np.random.default_rng(0)
     positions = sorted(set(rng.integers(0, len(blob), 150).tolist()) | {0, 5, 9, 30, len(blob) - 1})
@@ -169,10 +172,9 @@ def test_every_flipped_byte_is_refused(compression, fmt):
             decode_case(bytes(bad), leaves)
 
 
-@pytest.mark.parametrize("fmt", [2, 3])
-def test_truncation_and_trailing_bytes_are_refused(fmt):
+def test_truncation_and_trailing_bytes_are_refused():
     leaves = _simple_leaves()
-    blob = encode_case(leaves, CodecConfig(format=fmt))
+    blob = encode_case(leaves, CodecConfig())
     for cut in [0, 3, 8, 23, 40, len(blob) // 2, len(blob) - 1]:
         with pytest.raises(TruncatedPatchError):
             decode_case(blob[:cut], leaves)
@@ -180,10 +182,9 @@ def test_truncation_and_trailing_bytes_are_refused(fmt):
         decode_case(blob + b"\0", leaves)
 
 
-@pytest.mark.parametrize("fmt", [2, 3])
-def test_manifest_mismatch_is_refused(fmt):
+def test_manifest_mismatch_is_refused():
     leaves = _simple_leaves()
-    blob = encode_case(leaves, CodecConfig(format=fmt))
+    blob = encode_case(leaves, CodecConfig())
     other = [TensorSpec("a", (40, 31), "bfloat16"), leaves[1][0]]
     with pytest.raises(CorruptPatchError, match="manifest"):
         decode(blob, expect=other, base={s.name: old for s, old, _ in leaves}.__getitem__)
@@ -191,7 +192,7 @@ def test_manifest_mismatch_is_refused(fmt):
 
 def test_format_3_patch_decodes_only_against_the_receivers_state():
     leaves = _simple_leaves()
-    blob = encode_case(leaves, CodecConfig(format=3))
+    blob = encode_case(leaves, CodecConfig())
     with pytest.raises(ValueError, match="needs expect= and base="):
         decode(blob)
     with pytest.raises(ValueError, match="needs expect= and base="):
@@ -199,7 +200,7 @@ def test_format_3_patch_decodes_only_against_the_receivers_state():
     header = read_header(blob)
     assert header["format"] == 3 and len(header["manifest"]) == 32
     assert all("name" not in t and "offsets" not in t for t in header["tensors"])
-    anchor = read_header(encode_case(leaves, CodecConfig(format=3), kind="anchor"))
+    anchor = read_header(encode_case(leaves, CodecConfig(), kind="anchor"))
     assert anchor["manifest"] is None and [t["name"] for t in anchor["tensors"]] == ["a", "b"]
 
 
@@ -216,7 +217,7 @@ def test_format_3_patch_content_is_pinned():
     spread = np.exp(rng.normal(0, 1.5, (128, 96)))  # exponents over a wide range
     w = {"a": rng.normal(0, 0.02, (128, 96)) * spread, "b": rng.normal(0, 1, (300,))}
     w = {k: v.astype(np.float32) for k, v in w.items()}
-    pub = Publisher(config=SyncConfig(codec=CodecConfig(format=3)), run_id="pinned")
+    pub = Publisher(config=SyncConfig(), run_id="pinned")
     pub.publish(w)
     w = {k: v + rng.normal(0, 2e-5, v.shape).astype(np.float32) for k, v in w.items()}
     blob = pub.publish(w).patch
@@ -257,13 +258,12 @@ def test_sparse_patch_is_small_for_sparse_nudges():
     old = random_bits(rng, (2000, 1000), 2, "bfloat16")
     new = mutate(rng, old, "nudge", 0.01, "bfloat16")
     leaves = [(TensorSpec("w", old.shape, "bfloat16"), old, new)]
-    for fmt in (2, 3):
-        blob = encode_case(leaves, CodecConfig(format=fmt))
-        changed = int((old != new).sum())
-        assert len(blob) / changed < 1.6
-        patch = decode_case(blob, leaves)
-        assert read_header(blob)["tensors"][0]["values"] in ("xor", "step")
-        np.testing.assert_array_equal(rebuild(patch, leaves)["w"], new)
+    blob = encode_case(leaves, CodecConfig())
+    changed = int((old != new).sum())
+    assert len(blob) / changed < 1.6
+    patch = decode_case(blob, leaves)
+    assert read_header(blob)["tensors"][0]["values"] in ("xor", "step")
+    np.testing.assert_array_equal(rebuild(patch, leaves)["w"], new)
 
 
 def test_config_validation_names_bad_values():
@@ -271,43 +271,52 @@ def test_config_validation_names_bad_values():
         CodecConfig(compression="lz4")
     with pytest.raises(ValueError, match="zstd_level"):
         CodecConfig(zstd_level=0)
-    with pytest.raises(ValueError, match="format 1 unknown"):
-        CodecConfig(format=1)
-    with pytest.raises(ValueError, match="'step' needs format 3"):
-        CodecConfig(format=2, values="step")
+    with pytest.raises(ValueError, match="format 2 read, no longer written; .* format 3"):
+        CodecConfig(format=2)
+    with pytest.raises(ValueError, match="format 4 unknown"):
+        CodecConfig(format=4)
     with pytest.raises(ValueError, match=r"cut_slack must be a number in \[0, 1\), got -0.1"):
-        CodecConfig(format=3, cut_slack=-0.1)
+        CodecConfig(cut_slack=-0.1)
 
 
 def _one_leaf_blob(old, new, config, dtype="bfloat16"):
     return encode_case([(TensorSpec("w", old.shape, dtype), old, new)], config)
 
 
-def test_layout_hand_computed():
-    # 30 bf16 elements, changes at 3, 10, 29: gaps idx[k] - idx[k-1] - 1 = 3, 6, 18 fit one
-    # byte; with no entropy stage the values are the new bits (XOR would cost the same 2 bytes).
-    old = np.full(30, 0x3F80, np.uint16)
-    new = old.copy()
-    new[[3, 10, 29]] = [0x4000, 0xBF80, 0x0001]
-    blob = _one_leaf_blob(old, new, CodecConfig(compression="none", format=2))
-    header = read_header(blob)
-    (entry,) = header["tensors"]
-    assert (header["format"], header["base_version"], header["new_version"]) == (2, 3, 4)
-    assert header["run_id"] is None and header["base_digest"] is None  # not given to encode
-    assert (entry["name"], entry["shape"], entry["dtype"]) == ("w", [30], "bfloat16")
-    assert (entry["encoding"], entry["nnz"], entry["gap_width"], entry["values"]) == (
-        "sparse", 3, 1, "new",
-    )  # fmt: skip
-    (bucket,) = header["buckets"]
-    # Streams g0..g3, v0..v3, d as [stored, raw] bytes: 3 one-byte gaps, 3 + 3 value bytes.
-    assert bucket["streams"] == [[3, 3], [0, 0], [0, 0], [0, 0], [3, 3], [3, 3]] + [[0, 0]] * 3
-    hlen = int.from_bytes(blob[4:8], "little")
-    payload = blob[24 + hlen :]
-    assert payload == bytes([3, 6, 18, 0x00, 0x80, 0x01, 0x40, 0xBF, 0x00])
-    assert bucket["checksum"] == hashlib.blake2b(payload, digest_size=16).hexdigest()
-    t = decode(blob).tensors["w"]
+def test_format_2_layout_hand_computed():
+    # Format 2 is read, no longer written: a blob laid out by hand. 30 bf16 elements, changes at
+    # 3, 10, 29: flat gaps idx[k] - idx[k-1] - 1 = 3, 6, 18 in one byte, then the new bits' two
+    # byte planes; each entry names its tensor and its offset into every stream it uses.
+    payload = bytes([3, 6, 18, 0x00, 0x80, 0x01, 0x40, 0xBF, 0x00])
+    entry = {
+        "name": "w", "shape": [30], "dtype": "bfloat16", "encoding": "sparse", "nnz": 3,
+        "gap_width": 1, "values": "new", "digest": [1, 2],
+        "offsets": {"g0": 0, "v0": 0, "v1": 0}, "bucket": 0,
+    }  # fmt: skip
+    spec = TensorSpec("w", (30,), "bfloat16")
+    header = {
+        "format": 2, "kind": "patch", "run_id": None, "base_version": 3, "base_digest": None,
+        "new_version": 4, "compression": "none",
+        "state_digest": codec_module.state_digest([spec], {"w": np.array([1, 2], np.uint32)}),
+        "tensors": [entry],
+        # Streams g0..g3, v0..v3, d as [stored, raw] bytes: 3 one-byte gaps, 3 + 3 value bytes.
+        "buckets": [{
+            "size": len(payload),
+            "streams": [[3, 3], [0, 0], [0, 0], [0, 0], [3, 3], [3, 3]] + [[0, 0]] * 3,
+            "checksum": hashlib.blake2b(payload, digest_size=16).hexdigest(),
+        }],
+    }  # fmt: skip
+    patch = decode(pack_header(header) + payload)
+    assert (patch.format, patch.base_version, patch.new_version) == (2, 3, 4)
+    t = patch.tensors["w"]
+    assert t.encoding == "sparse" and not t.xor
     np.testing.assert_array_equal(t.index, [3, 10, 29])
     np.testing.assert_array_equal(t.bits, [0x4000, 0xBF80, 0x0001])
+    for pos in range(len(payload)):  # every payload byte is covered by the checksum
+        bad = bytearray(payload)
+        bad[pos] ^= 1
+        with pytest.raises(CorruptPatchError, match="checksum"):
+            decode(pack_header(header) + bytes(bad))
 
 
 def test_gap_width_grows_with_the_largest_gap():
@@ -364,8 +373,8 @@ def test_format_3_layout_hand_computed(monkeypatch):
     new = old.copy()
     new[[3, 29, 12]] = [0x3F81, 0x3F7F, 0x4002]
     leaves = [(TensorSpec("w", (30,), "bfloat16"), old, new)]
-    monkeypatch.setattr(codec_module, "_plan_cuts", lambda leaves, *a: {"w": [128]})
-    blob = encode_case(leaves, CodecConfig(compression="none", values="step", format=3))
+    monkeypatch.setattr(codec_module, "_choose_cuts", lambda sparse, *a: {"w": [128]})
+    blob = encode_case(leaves, CodecConfig(compression="none", values="step"))
     header = read_header(blob)
     (entry,) = header["tensors"]
     assert (header["format"], entry["encoding"], entry["nnz"], entry["gap_width"]) == (
@@ -389,19 +398,19 @@ def test_format_3_layout_hand_computed(monkeypatch):
 def test_format_3_round_trip_with_any_valid_cuts(case, data):
     # The encoder's cut choice is a heuristic: whatever cuts it picks, decoding must invert them.
     leaves, config = case
-    config = dataclasses.replace(config, format=3, values=data.draw(st.sampled_from(VALUES_3)))
+    config = dataclasses.replace(config, values=data.draw(st.sampled_from(VALUES_3)))
     seed = data.draw(st.integers(0, 2**31))
 
-    def any_cuts(leaves, *args):
+    def any_cuts(sparse, *args):
         out = {}
-        for s, _, _ in leaves:
+        for s in sparse:
             top = max_exponent(s.dtype)
             rng = np.random.default_rng(seed)
             k = int(rng.integers(0, MAX_CUTS + 1)) if top else 0
             out[s.name] = sorted(set(rng.integers(1, top + 1, k).tolist())) if k else []
         return out
 
-    with mock.patch.object(codec_module, "_plan_cuts", any_cuts):
+    with mock.patch.object(codec_module, "_choose_cuts", any_cuts):
         blob = encode_case(leaves, config)
     got = rebuild(decode_case(blob, leaves), leaves)
     for s, _, new in leaves:

@@ -7,23 +7,25 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sparserl_jax.sync.context import (
+from sparserl_jax.sync.classes import (
     MAX_CUTS,
+    best_cuts,
+    choose_cuts,
+    class_mask_bits,
+    cut_counts,
+    exponent_histogram,
+    exponent_key,
+    max_exponent,
+)
+from sparserl_jax.sync.order import (
+    ContextCache,
     _Ranges,
     _select_in_word,
-    class_mask_bits,
     context_order,
     context_rank,
     context_select,
-    entropy_bound,
-    exponent_histogram,
-    exponent_key,
-    from_line,
-    max_exponent,
-    to_line,
 )
-from sparserl_jax.sync.cuts import best_cuts, choose_cuts, cut_counts
-from sparserl_jax.sync.held import ContextCache
+from sparserl_jax.sync.values import entropy_bound, from_line, to_line
 
 FLOATS = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1}
 
@@ -85,7 +87,7 @@ def test_context_cache_advanced_each_version_equals_a_rebuild(
     cache = ContextCache(max_cuts=max_cuts)
     for _ in range(versions):
         cuts = sorted(data.draw(st.sets(st.integers(1, top), max_size=MAX_CUTS)))
-        got, want = cache.ranges("w", bits, dtype, cuts), _Ranges.of(bits, dtype, cuts)
+        got, want = cache.ranges("w", bits, bits.size, dtype, cuts), _Ranges.of(bits, dtype, cuts)
         np.testing.assert_array_equal(got.below, want.below)
         np.testing.assert_array_equal(got.starts, want.starts)
         held = cache.histogram("w", bits, dtype)

@@ -20,7 +20,7 @@ from sparserl_jax.sync import (
     Publisher,
     Receiver,
     SyncConfig,
-    encode,
+    encode_patch,
     to_bits,
 )
 from sparserl_jax.sync.codec import ITEMSIZES
@@ -113,10 +113,9 @@ def test_random_trees_rebuild_bit_identically(run):
 
 
 # Catch-up, late join, refusals and restarts hold for the format the publisher writes.
-FORMATS = pytest.mark.parametrize("fmt", [2, 3])
 
 
-def _run(n_versions: int, anchor_every: int = 3, fmt: int = 2):
+def _run(n_versions: int, anchor_every: int = 3):
     rng = np.random.default_rng(0)
     tm = trainer_mesh()
     master = {
@@ -126,7 +125,7 @@ def _run(n_versions: int, anchor_every: int = 3, fmt: int = 2):
         "b": jnp.asarray(rng.standard_normal(5).astype(np.float32)),
     }
     tr = InProcessTransport()
-    pub = Publisher(tr, config=SyncConfig(anchor_every=anchor_every, codec=CodecConfig(format=fmt)))
+    pub = Publisher(tr, config=SyncConfig(anchor_every=anchor_every))
     pub.publish(master)
     for _ in range(n_versions):
         master = jax.tree.map(lambda x: x - 1e-3 * jnp.sign(x) * (jnp.abs(x) > 0.01), master)
@@ -138,9 +137,8 @@ def snapshot(rc: Receiver):
     return {k: host_bits(v) for k, v in rc.arrays.items()}
 
 
-@FORMATS
-def test_out_of_order_and_duplicate_are_refused_without_touching_weights(fmt):
-    tr, pub = _run(3, fmt=fmt)
+def test_out_of_order_and_duplicate_are_refused_without_touching_weights():
+    tr, pub = _run(3)
     rc = Receiver(sampler_sharding)
     rc.apply(tr.get(0, "anchor"))
     rc.apply(tr.get(1, "patch"))
@@ -159,10 +157,9 @@ def test_out_of_order_and_duplicate_are_refused_without_touching_weights(fmt):
     assert_receiver_matches(rc, pub)
 
 
-@FORMATS
 @pytest.mark.parametrize("damage", ["drop", "flip", "truncate", "reordered", "duplicate"])
-def test_damaged_or_missing_version_is_recovered_from_anchor(damage, fmt):
-    tr, pub = _run(7, anchor_every=3, fmt=fmt)
+def test_damaged_or_missing_version_is_recovered_from_anchor(damage):
+    tr, pub = _run(7, anchor_every=3)
     rc = Receiver(sampler_sharding)
     rc.sync(tr, target=1)
     blob = tr.get(2, "patch")
@@ -193,9 +190,8 @@ def test_damaged_or_missing_version_is_recovered_from_anchor(damage, fmt):
     assert kinds == [(6, "anchor"), (7, "patch")]
 
 
-@FORMATS
-def test_late_joiner_starts_from_last_anchor(fmt):
-    tr, pub = _run(5, anchor_every=3, fmt=fmt)
+def test_late_joiner_starts_from_last_anchor():
+    tr, pub = _run(5, anchor_every=3)
     rc = Receiver(sampler_sharding)
     events = rc.sync(tr)
     assert [(e.version, e.kind) for e in events] == [(3, "anchor"), (4, "patch"), (5, "patch")]
@@ -228,16 +224,15 @@ def test_wrong_values_with_valid_checksums_are_refused_by_digest():
         changes[name] = LeafChanges(idx, old[idx] ^ new[idx], old[idx])
     ch = changes["['w']"]
     changes["['w']"] = LeafChanges(ch.index, ch.delta ^ np.uint16(1), ch.old)
-    forged = encode(
-        kind="patch",
+    forged = encode_patch(
         run_id=pub.run_id,
         base_version=0,
         base_digest=rc.state_digest,
         new_version=1,
         specs=rc.specs,
         changes=changes,
-        dense_bits=lambda n: host_bits(good.arrays[n]),
-        base_bits=before.__getitem__,
+        new_bits=lambda n: host_bits(good.arrays[n]),
+        old_bits=before.__getitem__,
         leaf_digests=digests,
         config=CodecConfig(),
     )
@@ -261,13 +256,12 @@ def test_special_values_survive_on_sampler_mesh():
     np.testing.assert_array_equal(host_bits(rc.arrays["['w']"]), flipped)
 
 
-@FORMATS
-def test_start_version_continues_numbering_after_a_restart(fmt):
+def test_start_version_continues_numbering_after_a_restart():
     """A resumed trainer publishes an anchor at the version it had reached, then patches on top;
     a fresh receiver joins from that anchor and stays bit-exact."""
     master = {"w": jnp.arange(24, dtype=jnp.float32).reshape(8, 3) / 7, "b": jnp.ones((5,))}
     transport = InProcessTransport()
-    config = SyncConfig(anchor_every=4, codec=CodecConfig(format=fmt))
+    config = SyncConfig(anchor_every=4)
     pub = Publisher(transport, config=config, start_version=6)
     assert pub.publish(master).version == 6
     rc = Receiver(sampler_sharding)
@@ -295,7 +289,7 @@ def test_format3_apply_reads_no_leaf_back_from_the_devices(monkeypatch):
     leaves = {"w": (32, 24), "v": (40,)}
     bits = {n: random_bits(rng, s, 4, "float32") for n, s in leaves.items()}
     tr = InProcessTransport()
-    pub = Publisher(tr, config=SyncConfig(anchor_every=100, codec=CodecConfig(format=3)))
+    pub = Publisher(tr, config=SyncConfig(anchor_every=100))
     rc = Receiver(sampler_sharding)
     reads = []
     to_host = ArrayImpl.__array__
@@ -316,4 +310,45 @@ def test_format3_apply_reads_no_leaf_back_from_the_devices(monkeypatch):
         # The first patch (step 1) reads each leaf once; no apply after it reads any.
         assert sorted(reads) == (sorted(leaves.values()) if step == 1 else []), (step, reads)
     monkeypatch.undo()
+    assert_receiver_matches(rc, pub)
+
+
+def test_publisher_reads_old_bits_only_for_a_cut_it_does_not_hold(monkeypatch):
+    """The publisher's context (`ContextCache`) holds each leaf's exponent histogram and class
+    bitmaps: a patch reads a leaf's old bits in full only the first time and for a context cut
+    the leaf has not used before (counted on the codec's reader), and the bytes do not change."""
+    from sparserl_jax.sync import codec
+    from sparserl_jax.sync.header import read_header
+    from sparserl_jax.sync.order import ContextCache
+
+    rng = np.random.default_rng(5)
+    spread = np.exp(rng.normal(0, 1.5, (96, 64)))  # exponents over a wide range: cuts are used
+    master = {"w": (rng.normal(0, 0.02, (96, 64)) * spread).astype(np.float32)}
+    tr = InProcessTransport()
+    pub = Publisher(tr, config=SyncConfig(anchor_every=100))
+    pub._context = ContextCache(max_cuts=16)  # room for every cut used here: none evicted
+    reads = []
+    encode = codec.encode_patch
+
+    def counting(**kw):
+        read = kw["old_bits"]
+        kw["old_bits"] = lambda n: reads.append(n) or read(n)
+        return encode(**kw)
+
+    monkeypatch.setattr(codec, "encode_patch", counting)
+    pub.publish(master)
+    seen, want = set(), []
+    for _ in range(6):
+        master = {"w": master["w"] + rng.normal(0, 2e-5, (96, 64)).astype(np.float32)}
+        reads.clear()
+        out = pub.publish(master)
+        (entry,) = read_header(out.patch)["tensors"]
+        assert entry["encoding"] == "sparse"
+        new_cut = not seen or not set(entry["context"]) <= seen
+        seen |= set(entry["context"])
+        want.append(new_cut)
+        assert reads == (["['w']"] if new_cut else []), (entry["context"], reads)
+    assert want[0] and not all(want)  # the first patch reads, a later one does not
+    rc = Receiver(sampler_sharding)
+    assert all(e.error is None for e in rc.sync(tr))
     assert_receiver_matches(rc, pub)

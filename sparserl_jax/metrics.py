@@ -162,6 +162,7 @@ def step_metrics(
     passes, the PULSESync publication (`published`: a `Published`) and its apply events on the
     sampler, and the `timing_s/` of each phase."""
     lengths = rollout.completion_lens
+    formats = [e.format for e in sync_events if e.format is not None]
     return {
         "critic/score/mean": float(rewards.mean()),
         "critic/score/std": float(rewards.std()),
@@ -179,6 +180,8 @@ def step_metrics(
         "sync/payload_bytes": len(published.patch or b""),
         "sync/dense_bf16_bytes": int(published.dense_bytes),
         "sync/verified": all(e.error is None for e in sync_events) and bool(sync_events),
+        # The wire format of the blobs the sampler accepted this step (in-process sampler only).
+        **({"sync/format": max(formats)} if formats else {}),
         "perf/rollout_tokens_per_s": float(rollout.stats.get("tokens_per_s", 0.0)),
         **{f"timing_s/{k}": float(v) for k, v in timings.items()},
     }

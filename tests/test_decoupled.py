@@ -1,7 +1,8 @@
 """Decoupled training (`sparserl trainer` / `sampler` / `launch`) end to end on the tiny config:
 staleness 0 equals `sparserl train` bit for bit; a launch with 2 samplers, one killed with -9
 mid-run, completes with every rollout's weights verified; a trainer killed with -9 and started
-again completes with the ledger exactly-once; a sampler with no trainer gives up cleanly."""
+again, and then a sampler killed and started again, complete with the ledger exactly-once and
+every weight version sent in PULSESync format 3; a sampler with no trainer gives up cleanly."""
 
 import json
 import os
@@ -26,6 +27,7 @@ from sparserl_jax.decoupled.sampler_job import GAVE_UP, run_sampler
 from sparserl_jax.decoupled.trainer import run_trainer
 from sparserl_jax.metrics import read_metrics
 from sparserl_jax.rl import Learner
+from sparserl_jax.sync.header import read_header
 from sparserl_jax.testing import assert_trees_equal, child_env
 from sparserl_jax.train import train
 
@@ -195,13 +197,16 @@ def test_launch_two_samplers_one_killed_completes(tmp_path):
 @pytest.mark.slow
 def test_trainer_kill9_then_same_command_completes_exactly_once(tmp_path):
     """The trainer is killed with -9 after its step-2 checkpoint; one sampler keeps running and
-    follows the restarted trainer's new epoch (from its anchor). The run completes; every data
-    batch is trained on exactly once and no ledger row is duplicated."""
+    follows the restarted trainer's new epoch (from its anchor). Then the sampler is killed with
+    -9 and started again: it joins late, from the newest anchor and the patches after it. The run
+    completes; every data batch is trained on exactly once, no ledger row is duplicated, and
+    every weight version a sampler used came in format 3 and was verified bit-identical."""
     run = tmp_path / "run"
-    common = [TINY, f"run_dir={run}", "train.steps=6", "train.save_every=2"]
-    common += ["async.max_staleness=1", "exchange.lease_s=8", *FAST]
+    common = [TINY, f"run_dir={run}", "train.steps=8", "train.save_every=2"]
+    common += ["async.max_staleness=1", "exchange.lease_s=8", "sync.anchor_every=3", *FAST]
     slog, tlog = tmp_path / "sampler.log", tmp_path / "trainer.log"
-    sampler = _spawn("sampler", *common[:1], "--id", "0", *common[1:], log=slog)
+    sampler_args = ("sampler", *common[:1], "--id", "0", *common[1:])
+    sampler = _spawn(*sampler_args, log=slog)
     trainer = _spawn("trainer", *common, log=tlog)
     _wait_for(lambda: (run / "checkpoints" / "2").is_dir(), trainer, "checkpoint 2")
     _wait_for(lambda: len(Ledger(run).rows("consumed")) >= 3, trainer, "step 3")
@@ -210,13 +215,29 @@ def test_trainer_kill9_then_same_command_completes_exactly_once(tmp_path):
     before = Ledger(run).rows("consumed")
     assert sampler.poll() is None
     again = _spawn("trainer", *common, log=tlog)
+    _wait_for(lambda: len(Ledger(run).rows("consumed")) >= 5, again, "step 5")
+    sampler.send_signal(signal.SIGKILL)
+    sampler.wait()
+    restarted = len(slog.read_text().splitlines())
+    sampler = _spawn(*sampler_args, log=slog)
     assert again.wait(timeout=900) == 0, tlog.read_text()[-3000:]
     assert sampler.wait(timeout=120) == 0, slog.read_text()[-3000:]
     assert "resumed from" in tlog.read_text()
-    assert check_exactly_once(run)["consumed"] == 6
+    assert check_exactly_once(run)["consumed"] == 8
     rows = Ledger(run).rows("consumed")
-    assert [r["step"] for r in rows] == list(range(1, 7))
+    assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[:2] == before[:2]  # the checkpointed steps' rows are kept as they were
     assert {r["epoch"] for r in rows[2:]} == {2}
     _check_rows_verified(run, {"0": slog})
     assert "following trainer epoch 2" in slog.read_text()
+    # The restarted sampler took an anchor, then patches, all verified.
+    late = slog.read_text().splitlines()[restarted:]
+    first = next(i for i, line in enumerate(late) if "verified bit-identical" in line)
+    assert re.search(r"anchor \d+ verified bit-identical", late[first]), late[first]
+    assert any(re.search(r"patch \d+ verified bit-identical", line) for line in late[first:])
+    assert not any("refused" in line for line in late)
+    ex = Exchange(f"file://{run}/exchange/")
+    for epoch in (1, 2):
+        tr = ex.sync_transport(epoch)
+        kinds = [(v, k) for k in ("anchor", "patch") for v in tr.versions(k)]
+        assert kinds and all(read_header(tr.get(v, k))["format"] == 3 for v, k in kinds)

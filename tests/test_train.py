@@ -88,7 +88,7 @@ def test_split_topology_end_to_end_and_sigterm(tmp_path):
     steps = [r for r in rows if "critic/score/mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
-        assert r["sync/verified"] is True
+        assert r["sync/verified"] is True and r["sync/format"] == 3
         assert r["sync/payload_bytes"] > 0
         assert 0 < r["sync/changed"] <= r["sync/dense_bf16_bytes"] // 2
         assert r["rollout/weight_version"] == r["step"] - 1

@@ -199,6 +199,7 @@ class ApplyEvent:
     nbytes: int
     seconds: float
     error: str | None = None
+    format: int | None = None  # the wire format of an accepted blob
 
 
 class Receiver:
@@ -241,6 +242,7 @@ class Receiver:
         self._sharding = sharding
         self.verify = verify
         self.version: int | None = None
+        self.last_format: int | None = None  # the wire format of the last blob applied
         self.specs: list[codec.TensorSpec] | None = None
         self.arrays: dict[str, jax.Array] = {}
         self._digests: dict[str, np.ndarray] = {}
@@ -343,6 +345,7 @@ class Receiver:
         self.arrays, self._digests, self.specs = arrays, computed, specs
         self.version, self.state_digest = patch.new_version, patch.state_digest
         self.run_id = self.run_id or patch.run_id
+        self.last_format = patch.format
         for name, t in patch.tensors.items():  # the held classes follow the new bits
             if t.encoding == "sparse" and not t.xor:
                 self._context.advance(name, t.index, t.bits, t.old)
@@ -416,7 +419,8 @@ class Receiver:
         except SyncError as e:
             events.append(ApplyEvent(version, kind, len(blob), time.perf_counter() - t0, str(e)))
             return e
-        events.append(ApplyEvent(version, kind, len(blob), time.perf_counter() - t0))
+        seconds = time.perf_counter() - t0
+        events.append(ApplyEvent(version, kind, len(blob), seconds, format=self.last_format))
         return None
 
     def tree(self, treedef, names: list[str]):

@@ -241,3 +241,65 @@ def test_trainer_kill9_then_same_command_completes_exactly_once(tmp_path):
         tr = ex.sync_transport(epoch)
         kinds = [(v, k) for k in ("anchor", "patch") for v in tr.versions(k)]
         assert kinds and all(read_header(tr.get(v, k))["format"] == 3 for v, k in kinds)
+
+
+def _threads(cfg_trainer, cfg_sampler, ctx, *, sampler_first_s: float = 0.0):
+    """Run a sampler (a thread, started `sampler_first_s` before the trainer, and still running
+    then) and the trainer on one in-memory exchange; returns (trainer summary, sampler summary)."""
+    got = {}
+    sampler = threading.Thread(
+        target=lambda: got.update(
+            run_sampler(
+                cfg_sampler, "0", url="memory://", exchange=Exchange("memory://", context=ctx)
+            )
+        )
+    )
+    sampler.start()
+    time.sleep(sampler_first_s)
+    # A sampler gone before the trainer starts would leave the trainer waiting for rollouts.
+    assert sampler.is_alive(), f"the sampler exited before the trainer started: {got}"
+    summary = run_trainer(cfg_trainer, exchange=Exchange("memory://", context=ctx))
+    sampler.join(timeout=300)
+    return summary, got
+
+
+@pytest.mark.slow
+def test_a_finished_run_relaunched_with_more_steps_completes(tmp_path):
+    """A finished run's last beat says `done` at its step; a sampler started for a relaunch with
+    more `train.steps` waits for the new trainer instead of exiting on that beat."""
+    ctx = ts.Context()
+    common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=0", *FAST]
+    short = load_config(TINY, [*common, "train.steps=2"])
+    summary, got = _threads(short, short, ctx)
+    assert summary["end_step"] == 2 and got["exit_code"] == 0
+    longer = load_config(TINY, [*common, "train.steps=4"])
+    summary, got = _threads(longer, longer, ctx, sampler_first_s=3.0)
+    assert summary["start_step"] == 2 and summary["end_step"] == 4
+    assert got["exit_code"] == 0 and got["items"] == [2, 3]
+
+
+@pytest.mark.slow
+def test_samplers_wait_through_a_long_trainer_start(tmp_path, monkeypatch):
+    """The trainer beats from its first moment: a sampler whose give-up time is shorter than
+    the trainer's start-up (restore, warm start) waits instead of giving up."""
+    from sparserl_jax.decoupled import trainer as trainer_module
+
+    restore = trainer_module._restore
+
+    def slow_restore(*args, **kwargs):
+        time.sleep(6.0)  # a long restore or SFT warm start
+        return restore(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "_restore", slow_restore)
+    common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=0", *FAST]
+    cfg = load_config(TINY, [*common, "train.steps=1", "exchange.give_up_s=3"])
+    ctx, out = ts.Context(), {}
+    trainer = threading.Thread(
+        target=lambda: out.update(run_trainer(cfg, exchange=Exchange("memory://", context=ctx))),
+        daemon=True,  # left waiting for rollouts if the sampler gave up (the test then fails)
+    )
+    trainer.start()
+    got = run_sampler(cfg, "0", url="memory://", exchange=Exchange("memory://", context=ctx))
+    assert got["exit_code"] == 0 and got["items"] == [0], got
+    trainer.join(timeout=300)
+    assert out["end_step"] == 1

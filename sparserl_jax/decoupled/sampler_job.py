@@ -2,8 +2,10 @@
 
 It owns its devices and mesh and holds nothing that needs a checkpoint. Its loop:
 
-    1. read the trainer's heartbeat: `done` -> exit 0; a new trainer incarnation (epoch) -> a
-       fresh receiver on that epoch's sync prefix (it starts from the new anchor);
+    1. read the trainer's heartbeat: `done` at `train.steps` -> exit 0 (a `done` short of it is
+       a finished run's being relaunched: wait); `starting` -> wait (the trainer restores and
+       warm-starts, beating); a new trainer incarnation (epoch) -> a fresh receiver on that
+       epoch's sync prefix (it starts from the new anchor);
     2. catch up through PULSESync (every applied version verified bit-identical by the
        receiver's digests, else refused);
     3. claim the oldest open item its weights are new enough for (`min_version`), by a
@@ -11,8 +13,9 @@ It owns its devices and mesh and holds nothing that needs a checkpoint. Its loop
     4. generate, renewing the claim every `exchange.lease_s / 4` from a side thread;
     5. write the rollout blob and its READY marker (checksum), if the claim is still held.
 
-When the exchange cannot be reached, or the trainer's heartbeat has not changed, for
-`exchange.give_up_s` seconds it exits with status 3, logging why every `exchange.log_every_s`.
+When the exchange cannot be reached, or the trainer's heartbeat has not changed (counted from
+its latest beat), for `exchange.give_up_s` seconds it exits with status 3, logging why every
+`exchange.log_every_s`.
 """
 
 from __future__ import annotations
@@ -73,10 +76,17 @@ class _Waiter:
     def __init__(self, cfg, log_fn):
         self.cfg, self.log = cfg, log_fn
         self.since: float | None = None
-        self._logged = 0.0
+        self._logged = self._noted = 0.0
 
     def ok(self) -> None:
         self.since = None
+
+    def note(self, why: str) -> None:
+        """Say, every `log_every_s`, why the sampler waits with no trouble counted."""
+        now = time.monotonic()
+        if now - self._noted >= self.cfg.log_every_s:
+            self._noted = now
+            self.log(f"sampler: waiting: {why}")
 
     def trouble(self, why: str) -> bool:
         """Record a failed look; True when it is time to give up."""
@@ -133,7 +143,7 @@ def run_sampler(
     """Serve rollouts until the trainer says it is done (or give up); returns a summary with
     `exit_code` (0, or `GAVE_UP`), the items done and the versions held."""
     refuse_adaptive_kv(cfg.rollout)
-    xcfg = cfg.exchange
+    xcfg, steps = cfg.exchange, cfg.train.steps
     sampler = _build(cfg)
     waiter = _Waiter(xcfg, log_fn)
     ex, epoch, transport = exchange, None, None
@@ -152,13 +162,29 @@ def run_sampler(
         now = time.monotonic()
         if trainer_seen is None or trainer_seen[0] != gen:
             trainer_seen = (gen, now)
-        if hb is not None and hb.get("done"):
+        # A `done` beat of a run shorter than this one (a finished run relaunched with more
+        # steps) is the last run's: wait for the relaunched trainer's beat.
+        finished = hb is not None and hb.get("done") and hb.get("step", 0) >= steps
+        if finished:
             log_fn(f"sampler {sampler_id}: the trainer is done; {len(done)} items rolled out")
             return _summary(sampler_id, 0, done, versions)
-        if hb is None or now - trainer_seen[1] > min(xcfg.lease_s, xcfg.give_up_s):
-            why = "no trainer heartbeat yet" if hb is None else "the trainer's heartbeat stopped"
+        if (
+            hb is None
+            or hb.get("done")
+            or now - trainer_seen[1] > min(xcfg.lease_s, xcfg.give_up_s)
+        ):
+            why = (
+                "no trainer heartbeat yet" if hb is None
+                else f"the trainer finished at step {hb['step']} of {steps}" if hb.get("done")
+                else "the trainer's heartbeat stopped"
+            )  # fmt: skip
             if waiter.trouble(f"{why} on {url}"):
                 return _summary(sampler_id, GAVE_UP, done, versions)
+            time.sleep(xcfg.poll_s)
+            continue
+        if hb.get("epoch") is None:  # starting: restoring, warm-starting; alive, so no give-up
+            waiter.ok()
+            waiter.note(f"the trainer is starting (step {hb.get('step', 0)})")
             time.sleep(xcfg.poll_s)
             continue
         try:

@@ -123,11 +123,23 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, topology="colocated"))
     refuse_adaptive_kv(cfg.rollout)
     check_config(cfg)
-    tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
     ex = exchange if exchange is not None else Exchange(exchange_url(cfg))
+    # Beat from the start: samplers see a trainer alive through the restore and the warm start
+    # (and a relaunched run's new beat replaces the last one's `done`).
+    pulse = _Pulse(ex, cfg.exchange.lease_s, steps=cfg.train.steps)
+    pulse.start()
+    try:
+        return _run(cfg, ex, pulse, log_fn)
+    finally:
+        pulse.finish(done=False)  # a no-op after the run's own last beat
+
+
+def _run(cfg: Config, ex: Exchange, pulse: _Pulse, log_fn) -> dict:
+    tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
+    run_dir = Path(cfg.run_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     # Every prompt is read (and a long one skipped or refused) before the model is built.
     limit = PromptLimit(tokenizer, cfg.rollout.max_prompt_len)
@@ -186,9 +198,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
             record_evaluation(summary, val, step, when, log_fn)
         return val
 
-    pulse = _Pulse(ex, epoch, xcfg.lease_s)
-    pulse.step, pulse.version = start_step, publisher.version
-    pulse.start()
+    pulse.follow(epoch, start_step, publisher.version)
     log_fn(f"trainer: epoch {epoch}, step {start_step}, version {version}, exchange {ex.url}")
     val = evaluate(start_step, "before")
     if val and not any(r.get("step") == start_step for r in kept):
@@ -318,19 +328,28 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
 
 
 class _Pulse(threading.Thread):
-    """The trainer's heartbeat, from a side thread every second (so a long compile or update
-    never looks like a dead trainer), and its view of the samplers': a sampler is alive while
-    its pulse changes within `lease_s` of this process's clock."""
+    """The trainer's heartbeat, from a side thread every second (so a long restore, compile or
+    update never looks like a dead trainer), and its view of the samplers': a sampler is alive
+    while its pulse changes within `lease_s` of this process's clock.
 
-    def __init__(self, exchange: Exchange, epoch: int, lease_s: float):
+    Until `follow` names the incarnation it beats `starting` (no epoch: samplers wait); its last
+    beat says `done` and the step reached, of a run of `steps` steps."""
+
+    def __init__(self, exchange: Exchange, lease_s: float, *, steps: int):
         super().__init__(daemon=True)
-        self.ex, self.epoch, self.lease_s = exchange, epoch, lease_s
+        self.ex, self.lease_s, self.steps = exchange, lease_s, steps
+        self.epoch: int | None = None
         self.step = self.version = 0
         self._stop_event = threading.Event()
+        self._finished = False
         self._seen: dict[str, tuple[bytes, float]] = {}
 
+    def follow(self, epoch: int, step: int, version: int) -> None:
+        self.epoch, self.step, self.version = epoch, step, version
+
     def _beat(self, done: bool) -> None:
-        payload = {"epoch": self.epoch, "step": self.step, "version": self.version, "done": done}
+        payload = {"epoch": self.epoch, "step": self.step, "version": self.version}
+        payload |= {"done": done, "steps": self.steps, "starting": self.epoch is None}
         self.ex.put_pulse("trainer/heartbeat", {**payload, "time": time.time()})
 
     def run(self) -> None:
@@ -343,9 +362,13 @@ class _Pulse(threading.Thread):
 
     def finish(self, done: bool) -> None:
         """Stop beating; the last beat says whether the run is done (samplers then exit)."""
+        if self._finished:
+            return
+        self._finished = True
         self._stop_event.set()
         self.join()
-        self._beat(done)
+        with contextlib.suppress(ValueError, OSError, RuntimeError):
+            self._beat(done)
 
     def samplers_alive(self) -> int:
         now, alive = time.monotonic(), 0

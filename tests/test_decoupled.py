@@ -303,3 +303,24 @@ def test_samplers_wait_through_a_long_trainer_start(tmp_path, monkeypatch):
     assert got["exit_code"] == 0 and got["items"] == [0], got
     trainer.join(timeout=300)
     assert out["end_step"] == 1
+
+
+@pytest.mark.slow
+def test_a_slow_upload_keeps_its_claim(tmp_path, monkeypatch):
+    """The sampler renews its claim through the rollout's upload: an upload longer than the
+    lease does not let the trainer expire the item (nothing is dropped or re-issued)."""
+    put = Exchange.put_rollout
+    slow = [True]
+
+    def slow_put(self, rollout):
+        if slow.pop() if slow else False:
+            time.sleep(5.0)  # more than exchange.lease_s
+        return put(self, rollout)
+
+    monkeypatch.setattr(Exchange, "put_rollout", slow_put)
+    common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=0", *FAST]
+    cfg = load_config(TINY, [*common, "train.steps=2", "exchange.lease_s=2"])
+    summary, got = _threads(cfg, cfg, ts.Context())
+    assert not slow, "the upload was never slowed"
+    assert summary["end_step"] == 2 and summary["dropped"] == {}, summary["dropped"]
+    assert got["exit_code"] == 0 and got["items"] == [0, 1]

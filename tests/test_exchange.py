@@ -1,5 +1,6 @@
 """The decoupled jobs' exchange and ledger without any model: claims (one winner of a race),
-rollout blobs (round trip, checksum), work items, trainer incarnations, the exactly-once check."""
+rollout blobs (round trip, checksum), work items, trainer incarnations, the exactly-once check,
+retries of failed kvstore calls (and conditional writes whose reply was lost)."""
 
 import json
 import threading
@@ -15,6 +16,7 @@ from sparserl_jax.data import Example, prompt_iterator
 from sparserl_jax.decoupled.exchange import (
     CorruptRolloutError,
     Exchange,
+    ExchangeError,
     Rollout,
     WorkItem,
     decode_rollout,
@@ -151,8 +153,11 @@ def test_items_epochs_and_verdicts(tmp_path):
 
 
 def test_unreachable_exchange_raises_not_hangs():
-    with pytest.raises(ValueError):
-        Exchange("file:///proc/definitely/not/here/", timeout=5).put_item(_item())
+    ex = Exchange("file:///proc/definitely/not/here/", timeout=5, retries=1, backoff_s=0.01)
+    with pytest.raises(
+        ExchangeError, match=r"^exchange file:///proc/\S+: write items/\S+ failed 2 times: "
+    ):
+        ex.put_item(_item())
 
 
 def _rows(ledger, name, rows):
@@ -303,3 +308,63 @@ def test_queue_resume_abandons_later_items_and_reopens_outstanding(tmp_path):
     r.fill(1)
     new = ex.item(r.outstanding[-1])
     assert new.id == 4 and new.batch == ex.item(2).batch == 2
+
+
+class _Flaky:
+    """A kvstore that fails chosen calls: `fail[op]` calls of `op` raise before touching the
+    store; `lost[op]` calls of `op` reach the store, then lose the reply (TimeoutError)."""
+
+    def __init__(self, kv, *, fail=None, lost=None):
+        self.kv, self.fail, self.lost = kv, dict(fail or {}), dict(lost or {})
+
+    def _call(self, op, *args, **kwargs):
+        if self.fail.get(op, 0):
+            self.fail[op] -= 1
+            raise ValueError(f"UNAVAILABLE: {op} refused for the test")
+        out = getattr(self.kv, op)(*args, **kwargs)
+        if self.lost.get(op, 0):
+            self.lost[op] -= 1
+            out.result()
+            raise TimeoutError(f"{op}: the reply was lost")
+        return out
+
+    def read(self, *a, **k):
+        return self._call("read", *a, **k)
+
+    def write(self, *a, **k):
+        return self._call("write", *a, **k)
+
+    def list(self, *a, **k):
+        return self._call("list", *a, **k)
+
+
+def _flaky(ex: Exchange, **kw) -> _Flaky:
+    ex._kv = _Flaky(ex._kv, **kw)
+    ex.backoff_s = 0.01
+    return ex._kv
+
+
+def test_transient_failures_are_retried_then_named_in_one_line():
+    ex = Exchange("memory://", retries=3)
+    _flaky(ex, fail={"write": 2, "read": 3, "list": 1})
+    ex.put_item(_item())  # two failures, then the write
+    assert ex.item(0) is not None  # three failures, then the read
+    assert ex.item_ids() == [0]
+    _flaky(ex, fail={"read": 4})
+    with pytest.raises(ExchangeError, match=r"^exchange memory://: read items/0+\.json failed 4 "):
+        ex.item(0)
+
+
+def test_a_lost_reply_of_a_conditional_write_is_not_a_lost_claim():
+    ex = Exchange("memory://", retries=2)
+    kv = _flaky(ex, lost={"write": 1})
+    claim = ex.claim(7, "s0")  # created, reply lost, retried: the key holds our claim
+    assert claim is not None and kv.lost["write"] == 0
+    kv.lost["write"] = 1
+    renewed = ex.renew(claim)  # renewed, reply lost: adopted from what the key holds
+    assert renewed is not None and renewed.renewals == 1
+    assert ex.renew(renewed) is not None  # and the next renewal holds the claim
+    other = ex.claim(7, "s1")
+    assert other is None  # a real loss of the race is still a loss
+    kv.lost["write"] = 1
+    assert ex.begin_epoch({"start_version": 0}) == 1  # a lost reply of the epoch's create

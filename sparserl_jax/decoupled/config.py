@@ -22,6 +22,8 @@ class ExchangeConfig:
         trainer, for this long exits (status 3); it logs why every `log_every_s` meanwhile.
       poll_s: how often a waiting job looks at the exchange again.
       log_every_s: how often a waiting job says so.
+      retries: a failed kvstore call is tried this many more times (backoff 0.5 s, doubling,
+        at most 8 s) before the job gives up on it with one line naming the call.
     """
 
     url: str | None = None
@@ -29,11 +31,14 @@ class ExchangeConfig:
     give_up_s: float = 600.0
     poll_s: float = 0.2
     log_every_s: float = 30.0
+    retries: int = 4
 
     def __post_init__(self):
         for name in ("lease_s", "give_up_s", "poll_s", "log_every_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not isinstance(self.retries, int) or self.retries < 0:
+            raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
         if self.url is not None and "://" not in self.url:
             raise ValueError(
                 f"url {self.url!r} is not a kvstore URL (file:///dir/, memory://, gs://bucket/dir/)"

@@ -26,6 +26,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import time
 from typing import Any
 
 import numpy as np
@@ -39,6 +40,7 @@ __all__ = [
     "Claim",
     "CorruptRolloutError",
     "Exchange",
+    "ExchangeError",
     "Rollout",
     "WorkItem",
     "decode_rollout",
@@ -169,37 +171,87 @@ def decode_rollout(blob: bytes) -> Rollout:
     )
 
 
+class ExchangeError(RuntimeError):
+    """A kvstore call that still failed after `Exchange.retries` tries (one line: what, where,
+    the last error)."""
+
+
+# What a kvstore raises when a call fails (tensorstore maps its status errors to ValueError;
+# `.result(timeout=...)` raises TimeoutError).
+TRANSIENT = (ValueError, OSError, TimeoutError)
+
+
 class Exchange:
     """The kvstore the jobs share. `url`: `file:///dir/`, `memory://`, `gs://...` or a kvstore
     spec dict; `context`: a `tensorstore.Context` (two `memory://` exchanges share data only
-    when opened with the same one). Every call is bounded by `timeout` seconds; kvstore
-    failures (unreachable, permission) raise and are the caller's to retry."""
+    when opened with the same one). Every call is bounded by `timeout` seconds and tried
+    `retries` more times on failure (backoff from `backoff_s`, doubling, at most 8 s); then it
+    raises `ExchangeError`. A conditional write whose reply was lost is not lost: when a retry
+    finds the condition failed, the key is read, and holding the value written means the lost
+    attempt landed."""
 
-    def __init__(self, url: str | dict, *, context: ts.Context | None = None, timeout=30.0):
+    def __init__(
+        self,
+        url: str | dict,
+        *,
+        context: ts.Context | None = None,
+        timeout=30.0,
+        retries: int = 4,
+        backoff_s: float = 0.5,
+    ):
         self.url = url
         self.context = context if context is not None else ts.Context()
-        self.timeout = timeout
-        self._kv = ts.KvStore.open(url, context=self.context).result(timeout=timeout)
+        self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
+        self._kv = self._tried(
+            "open", lambda: ts.KvStore.open(url, context=self.context).result(timeout=timeout)
+        )
 
     # -- primitives ---------------------------------------------------------------------------
 
+    def _tried(self, what: str, call):
+        """`call()`, tried `1 + retries` times on a kvstore failure."""
+        for attempt in range(self.retries + 1):
+            try:
+                return call()
+            except TRANSIENT as e:
+                if attempt == self.retries:
+                    msg = " ".join(str(e).split()) or type(e).__name__
+                    raise ExchangeError(
+                        f"exchange {self.url}: {what} failed {attempt + 1} times: {msg}"
+                    ) from e
+                time.sleep(min(self.backoff_s * 2**attempt, 8.0))
+        raise AssertionError("unreachable")
+
     def read(self, key: str) -> tuple[bytes | None, bytes]:
         """(value or None, generation) of `key`."""
-        r = self._kv.read(key).result(timeout=self.timeout)
+        r = self._tried(f"read {key}", lambda: self._kv.read(key).result(timeout=self.timeout))
         return (bytes(r.value) if r.state == "value" else None), bytes(r.stamp.generation)
 
     def write(self, key: str, value: bytes | None, *, if_equal: bytes | None = None):
         """Write (None: delete) `key`; with `if_equal`, only if its generation is still that
         (`_ABSENT`: only if it does not exist). Returns the new generation, or None when the
         condition failed."""
-        stamp = self._kv.write(key, value, if_equal=if_equal).result(timeout=self.timeout)
-        return bytes(stamp.generation) or None
+        tries = []
+
+        def attempt():
+            tries.append(1)
+            stamp = self._kv.write(key, value, if_equal=if_equal).result(timeout=self.timeout)
+            return bytes(stamp.generation) or None
+
+        gen = self._tried(f"write {key}", attempt)
+        if gen is None and if_equal is not None and len(tries) > 1 and value is not None:
+            held, held_gen = self.read(key)  # did an attempt whose reply was lost land?
+            if held == value:
+                return held_gen
+        return gen
 
     def list(self, prefix: str) -> list[str]:
         """Keys under `prefix`, sorted, without the prefix."""
         p = prefix.encode()
         rng = ts.KvStore.KeyRange(inclusive_min=p, exclusive_max=p[:-1] + bytes([p[-1] + 1]))
-        keys = self._kv.list(rng).result(timeout=self.timeout)
+        keys = self._tried(
+            f"list {prefix}", lambda: self._kv.list(rng).result(timeout=self.timeout)
+        )
         return sorted(k.decode()[len(prefix) :] for k in keys)
 
     def _ids(self, prefix: str, suffix: str = "") -> list[int]:

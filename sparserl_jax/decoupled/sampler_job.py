@@ -11,7 +11,8 @@ It owns its devices and mesh and holds nothing that needs a checkpoint. Its loop
     3. claim the oldest open item its weights are new enough for (`min_version`), by a
        conditional create: of samplers racing for an item exactly one wins;
     4. generate, renewing the claim every `exchange.lease_s / 4` from a side thread;
-    5. write the rollout blob and its READY marker (checksum), if the claim is still held.
+    5. write the rollout blob and its READY marker (checksum), if the claim is still held,
+       renewing it through the upload.
 
 When the exchange cannot be reached, or the trainer's heartbeat has not changed (counted from
 its latest beat), for `exchange.give_up_s` seconds it exits with status 3, logging why every
@@ -152,7 +153,7 @@ def run_sampler(
     while True:
         try:
             if ex is None:
-                ex = Exchange(url)
+                ex = Exchange(url, retries=xcfg.retries)
             hb, gen = ex.pulse("trainer/heartbeat")
         except _EXCHANGE_ERRORS as e:
             if waiter.trouble(f"cannot reach the exchange {url}: {' '.join(str(e).split())}"):
@@ -217,21 +218,22 @@ def run_sampler(
             time.sleep(xcfg.poll_s)
             continue
         claim, item = got
+        # Renewed from a side thread while it generates and while it uploads.
         renewer = _Renewer(ex, claim, xcfg.lease_s / 4, pulse)
         renewer.start()
         try:
             result = sampler.rollout(item.prompts, item.seeds)
+            rollout = Rollout(
+                item.id, sampler_id, epoch, sampler.version, sampler.receiver.state_digest, result
+            )
+            try:
+                if renewer.claim is not None and item.id not in ex.closed_ids():
+                    ex.put_rollout(rollout)
+                    done.append(item.id)
+            except _EXCHANGE_ERRORS as e:  # the item's claim will lapse and it is re-issued
+                log_fn(f"sampler {sampler_id}: could not write the rollout of item {item.id}: {e}")
         finally:
-            claim = renewer.stop()
-        rollout = Rollout(
-            item.id, sampler_id, epoch, sampler.version, sampler.receiver.state_digest, result
-        )
-        try:
-            if claim is not None and item.id not in ex.closed_ids():
-                ex.put_rollout(rollout)
-                done.append(item.id)
-        except _EXCHANGE_ERRORS as e:  # the item's claim will lapse and it is re-issued
-            log_fn(f"sampler {sampler_id}: could not write the rollout of item {item.id}: {e}")
+            renewer.stop()
 
 
 def _summary(sampler_id: str, code: int, done: list[int], versions: list) -> dict:

@@ -126,7 +126,9 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
-    ex = exchange if exchange is not None else Exchange(exchange_url(cfg))
+    if exchange is None:
+        exchange = Exchange(exchange_url(cfg), retries=cfg.exchange.retries)
+    ex = exchange
     # Beat from the start: samplers see a trainer alive through the restore and the warm start
     # (and a relaunched run's new beat replaces the last one's `done`).
     pulse = _Pulse(ex, cfg.exchange.lease_s, steps=cfg.train.steps)

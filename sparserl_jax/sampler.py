@@ -198,10 +198,11 @@ class Sampler:
         bits = self.receiver.tree(self.treedef, self.names)
         return published_params(bits, self.like, self.publish_dtype)
 
-    def rollout(self, prompts: list[list[int]], seeds: list[int]) -> RolloutResult:
-        """Sample `rollout.n_samples` completions per prompt with the held weights."""
+    def rollout(self, prompts: list[list[int]], seeds: list[int], *, stop=None) -> RolloutResult:
+        """Sample `rollout.n_samples` completions per prompt with the held weights; `stop`: the
+        engine's hook, asked between decode chunks (`RolloutAborted` when it says so)."""
         return self.engine.generate(
-            prompts, params=self.params(), weight_version=self.version, seeds=seeds
+            prompts, params=self.params(), weight_version=self.version, seeds=seeds, stop=stop
         )
 
     def evaluate(

@@ -278,6 +278,9 @@ def test_queue_expires_a_claim_that_stops_changing(tmp_path):
     assert Ledger(tmp_path).rows("dropped") == [
         {"item": 0, "step": 1, "batch": 0, "reason": "expired", "sampler": "s9"}
     ]
+    # Revoked: the sampler, alive after all, cannot renew it and stops working on it.
+    assert ex.renew(claim) is None
+    assert ex.claim_state(0)[0] == {"sampler": None, "revoked": True}
     assert list(q.reissue) == [0] and q.counts["expired"] == 1
 
 

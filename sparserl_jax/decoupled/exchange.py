@@ -8,7 +8,8 @@ Keys (under the kvstore's root; ids are zero-padded so listings sort numerically
                               READY markers)
     items/<id>.json           a work item (written once by the trainer, never changed)
     claims/<id>               a sampler's claim on an item (created by a conditional write, so
-                              exactly one sampler wins; renewed while it generates)
+                              exactly one sampler wins; renewed while it generates; revoked
+                              by the trainer when it expires)
     rollouts/<id>.npz         the rollout of an item, then READY/rollouts/<id> holding its sha256
     closed/<id>               the trainer's verdict on an item (consumed or dropped): samplers
                               skip it
@@ -333,6 +334,12 @@ class Exchange:
         body = json.dumps({"sampler": claim.sampler, "renewals": n}).encode()
         gen = self.write(f"claims/{_id(claim.item)}", body, if_equal=claim.generation)
         return None if gen is None else dataclasses.replace(claim, renewals=n, generation=gen)
+
+    def revoke(self, item_id: int, generation: bytes) -> bool:
+        """The trainer's end of an expired claim: overwrite it (if it is still at `generation`),
+        so its sampler's next renewal fails and it stops working on the item."""
+        body = json.dumps({"sampler": None, "revoked": True}).encode()
+        return self.write(f"claims/{_id(item_id)}", body, if_equal=generation) is not None
 
     def claim_state(self, item_id: int) -> tuple[dict[str, Any] | None, bytes]:
         raw, gen = self.read(f"claims/{_id(item_id)}")

@@ -183,6 +183,7 @@ class WorkQueue:
                 self._claims[i] = (gen, now)
             elif now - seen[1] >= self.lease_s:
                 self.log(f"item {i}: claim of sampler {claim['sampler']} expired; re-issued")
+                self.ex.revoke(i, gen)  # a sampler still alive stops working on it
                 self._drop(
                     i,
                     "expired",

@@ -10,7 +10,8 @@ It owns its devices and mesh and holds nothing that needs a checkpoint. Its loop
        receiver's digests, else refused);
     3. claim the oldest open item its weights are new enough for (`min_version`), by a
        conditional create: of samplers racing for an item exactly one wins;
-    4. generate, renewing the claim every `exchange.lease_s / 4` from a side thread;
+    4. generate, renewing the claim every `exchange.lease_s / 4` from a side thread; a claim
+       lost (the trainer revoked it as expired) abandons the rollout between decode chunks;
     5. write the rollout blob and its READY marker (checksum), if the claim is still held,
        renewing it through the upload.
 
@@ -35,6 +36,7 @@ from sparserl_jax.config import Config
 from sparserl_jax.decoupled.config import refuse_adaptive_kv
 from sparserl_jax.decoupled.exchange import Claim, Exchange, Rollout
 from sparserl_jax.parallel import make_mesh
+from sparserl_jax.rollout import RolloutAborted
 from sparserl_jax.sampler import Sampler, sampler_shardings
 from sparserl_jax.sync import Receiver, SyncError
 
@@ -63,6 +65,9 @@ class _Renewer(threading.Thread):
                 if self.claim is not None:
                     pulse = {**self.pulse, "item": self.claim.item, "time": time.time()}
                     self.ex.put_pulse(f"samplers/{self.claim.sampler}", pulse)
+
+    def lost(self) -> bool:
+        return self.claim is None
 
     def stop(self) -> Claim | None:
         self._stop_event.set()
@@ -222,7 +227,11 @@ def run_sampler(
         renewer = _Renewer(ex, claim, xcfg.lease_s / 4, pulse)
         renewer.start()
         try:
-            result = sampler.rollout(item.prompts, item.seeds)
+            try:  # a claim lost (revoked by the trainer, or taken over) stops the work
+                result = sampler.rollout(item.prompts, item.seeds, stop=renewer.lost)
+            except RolloutAborted:
+                log_fn(f"sampler {sampler_id}: lost the claim on item {item.id}; abandoned it")
+                continue
             rollout = Rollout(
                 item.id, sampler_id, epoch, sampler.version, sampler.receiver.state_digest, result
             )

@@ -25,7 +25,7 @@ pool never overflows and memory is bounded by the pool, not by batch x max lengt
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -45,6 +45,10 @@ from sparserl_jax.kvcache.paged import PoolExhaustedError
 from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.rollout.config import RolloutConfig, RolloutResult
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys
+
+
+class RolloutAborted(RuntimeError):
+    """`RolloutEngine.generate` was told to stop (its `stop` hook) before it finished."""
 
 
 class SlotState(NamedTuple):
@@ -260,11 +264,13 @@ class RolloutEngine:
         params: Any = None,
         weight_version: int = 0,
         seeds: Sequence[int] | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> RolloutResult:
         """Sample `n_samples` completions of every prompt (see `RolloutResult` for the layout).
 
         `params`: an `nnx` pure dict of the model state (e.g. the published bf16 weights);
         None uses the model's own. `seeds`: one per prompt (default: derived from config.seed).
+        `stop`: asked between decode chunks; True abandons the rollout (`RolloutAborted`).
         """
         cfg = self.config
         self._check_prompts(prompts, seeds)
@@ -305,6 +311,8 @@ class RolloutEngine:
                 cache, slots = self._prefill(
                     params, cache, slots, tokens_sp, lens_s, fill, req_s4.astype(np.uint32)
                 )
+            if stop is not None and stop():
+                raise RolloutAborted(f"rollout abandoned after {chunks} decode chunks")
             cache, slots, out = self._chunk(params, cache, slots)
             chunks += 1
             host = jax.device_get(

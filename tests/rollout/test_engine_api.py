@@ -1,5 +1,5 @@
 """The engine's public surface: result layout, stop tokens, per-prompt seeds, weight swaps
-without recompiling, and configuration errors."""
+without recompiling, abandoning a rollout between chunks, and configuration errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparserl_jax.rollout import RolloutConfig, RolloutEngine
+from sparserl_jax.rollout import RolloutAborted, RolloutConfig, RolloutEngine
 from sparserl_jax.testing import tiny_model
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [1], [2, 3, 4, 5, 6]]
@@ -106,3 +106,17 @@ def test_prompt_errors(sampled):
         engine.generate([[1] * 7])
     with pytest.raises(ValueError, match="seeds"):
         engine.generate(PROMPTS, seeds=[1, 2])
+
+
+def test_stop_hook_abandons_the_rollout_between_chunks(sampled):
+    engine, res = sampled
+    asked = []
+
+    def stop():
+        asked.append(1)
+        return len(asked) > 2  # two chunks run, then the rollout is abandoned
+
+    with pytest.raises(RolloutAborted, match="after 2 decode chunks"):
+        engine.generate(PROMPTS, weight_version=7, stop=stop)
+    again = engine.generate(PROMPTS, weight_version=7, stop=lambda: False)  # nothing left over
+    np.testing.assert_array_equal(again.completion_ids, res.completion_ids)

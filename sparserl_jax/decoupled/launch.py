@@ -3,8 +3,11 @@
 They share `run_dir` (and the exchange under it unless `exchange.url` says otherwise). Each
 one's output goes to `run_dir/logs/<job>.log`; the trainer's JSON summary (its stdout) to
 `run_dir/logs/trainer.json`, printed at the end. SIGINT and SIGTERM are forwarded to every
-child; nothing is restarted. The exit status is the trainer's; samplers still running when it
-ends get `exchange.poll_s`-paced time to see the trainer's last heartbeat, then SIGTERM.
+child. A sampler that dies while the trainer runs is started again, at most `RESTARTS` times
+each; when no sampler is left, the trainer is stopped (SIGTERM: it checkpoints) and `launch`
+exits non-zero, saying which samplers ended how. Otherwise the exit status is the trainer's;
+samplers still running when it ends get `exchange.poll_s`-paced time to see the trainer's last
+heartbeat, then SIGTERM.
 """
 
 from __future__ import annotations
@@ -17,7 +20,11 @@ from pathlib import Path
 
 from sparserl_jax.config import Config
 
-__all__ = ["launch"]
+__all__ = ["NO_SAMPLERS", "RESTARTS", "launch"]
+
+RESTARTS = 3  # per sampler, while the trainer runs
+NO_SAMPLERS = 4  # exit status: every sampler died, restarts spent; the trainer was stopped
+WATCH_S = 0.5  # how often the children are looked at
 
 
 def _spawn(argv: list[str], log: Path, out: Path | None = None) -> subprocess.Popen:
@@ -33,7 +40,8 @@ def _spawn(argv: list[str], log: Path, out: Path | None = None) -> subprocess.Po
 def launch(
     cfg: Config, config_path: str, overrides: list[str], samplers: int, *, log_fn=print
 ) -> int:
-    """Start the jobs, wait for the trainer, return its exit status."""
+    """Start the jobs, watch them until the trainer ends, return its exit status (or
+    `NO_SAMPLERS`)."""
     if samplers < 1:
         raise ValueError(f"--samplers must be >= 1, got {samplers}")
     logs = Path(cfg.run_dir) / "logs"
@@ -45,24 +53,45 @@ def launch(
         logs / "trainer.json",
     )
     log_fn(f"launch: trainer pid {trainer.pid}, log {logs / 'trainer.log'}")
-    children = [trainer]
-    for i in range(samplers):
+
+    def start_sampler(i: int) -> subprocess.Popen:
         log = logs / f"sampler-{i}.log"
         p = _spawn([*base, "sampler", config_path, "--id", str(i), *overrides], log)
         log_fn(f"launch: sampler {i} pid {p.pid}, log {log}")
-        children.append(p)
+        return p
+
+    sampler = {i: start_sampler(i) for i in range(samplers)}
+    restarts = dict.fromkeys(sampler, 0)
 
     def forward(signum, frame):
         del frame
-        for c in children:
+        for c in [trainer, *sampler.values()]:
             if c.poll() is None:
                 c.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    code = None
     try:
-        code = trainer.wait()
+        while (code := trainer.poll()) is None:
+            ended = {i: p.returncode for i, p in sampler.items() if p.poll() is not None}
+            for i, rc in ended.items():
+                if rc != 0 and restarts[i] < RESTARTS:
+                    restarts[i] += 1
+                    log_fn(f"launch: sampler {i} exited {rc}; restart {restarts[i]} of {RESTARTS}")
+                    sampler[i] = start_sampler(i)
+            if all(p.poll() is not None and p.returncode != 0 for p in sampler.values()):
+                how = ", ".join(
+                    f"sampler {i} exited {p.returncode} after {restarts[i]} restarts"
+                    for i, p in sampler.items()
+                )
+                log_fn(f"launch: no sampler left ({how}); stopping the trainer")
+                trainer.terminate()
+                trainer.wait()
+                code = NO_SAMPLERS
+                break
+            time.sleep(WATCH_S)
         deadline = time.monotonic() + 10 * cfg.exchange.poll_s + 30
-        for c in children[1:]:
+        for c in sampler.values():
             try:
                 c.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -78,5 +107,6 @@ def launch(
     summary = (logs / "trainer.json").read_text().strip()
     if summary:
         print(summary)
-    log_fn(f"launch: trainer exited {code}; samplers {[c.returncode for c in children[1:]]}")
+    ends = [c.returncode for c in sampler.values()]
+    log_fn(f"launch: trainer exited {trainer.returncode}; samplers {ends}")
     return code

@@ -1,6 +1,7 @@
 """`sparserl launch` watches its samplers: a dead sampler is started again (a bounded number of
-times); when none is left the trainer is stopped and launch exits non-zero saying which. The
-jobs here are stand-in processes (no JAX), so the watching alone is tested."""
+times); when none is left the trainer is stopped and launch exits non-zero saying which; it ends
+with the trainer's `summary:` lines, as `sparserl train` does. The jobs here are stand-in
+processes (no JAX), so the watching alone is tested."""
 
 import sys
 from pathlib import Path
@@ -32,7 +33,10 @@ def _fake_jobs(monkeypatch, *, trainer: str, sampler: list[str]):
 def test_a_dead_sampler_is_restarted(tmp_path, monkeypatch):
     starts = _fake_jobs(
         monkeypatch,
-        trainer="import time; time.sleep(4); print('{\"end_step\": 2}')",
+        trainer=(
+            "import sys, time; time.sleep(4); print('{\"end_step\": 2}'); "
+            "print('summary: reward 0.1 -> 0.5', file=sys.stderr)"
+        ),
         sampler=["import os; os.kill(os.getpid(), 9)", "import time; time.sleep(5)"],
     )
     lines = []
@@ -40,7 +44,7 @@ def test_a_dead_sampler_is_restarted(tmp_path, monkeypatch):
     assert launch_module.launch(cfg, TINY, [], 1, log_fn=lines.append) == 0
     assert len(starts) == 2
     assert "launch: sampler 0 exited -9; restart 1 of 3" in lines
-    assert lines[-1] == "launch: trainer exited 0; samplers [0]"
+    assert lines[-2:] == ["summary: reward 0.1 -> 0.5", "launch: trainer exited 0; samplers [0]"]
 
 
 def test_no_sampler_left_stops_the_trainer_and_says_which(tmp_path, monkeypatch):

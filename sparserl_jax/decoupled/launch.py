@@ -2,7 +2,8 @@
 
 They share `run_dir` (and the exchange under it unless `exchange.url` says otherwise). Each
 one's output goes to `run_dir/logs/<job>.log`; the trainer's JSON summary (its stdout) to
-`run_dir/logs/trainer.json`, printed at the end. SIGINT and SIGTERM are forwarded to every
+`run_dir/logs/trainer.json`, printed at the end with the trainer's `summary:` lines (the
+reward lines `sparserl train` ends with). SIGINT and SIGTERM are forwarded to every
 child. A sampler that dies while the trainer runs is started again, at most `RESTARTS` times
 each; when no sampler is left, the trainer is stopped (SIGTERM: it checkpoints) and `launch`
 exits non-zero, saying which samplers ended how. Otherwise the exit status is the trainer's;
@@ -107,6 +108,10 @@ def launch(
     summary = (logs / "trainer.json").read_text().strip()
     if summary:
         print(summary)
+    # The trainer's closing lines (held-out and training reward), as `sparserl train` ends.
+    for line in (logs / "trainer.log").read_text(errors="replace").splitlines():
+        if line.startswith("summary: "):
+            log_fn(line)
     ends = [c.returncode for c in sampler.values()]
     log_fn(f"launch: trainer exited {trainer.returncode}; samplers {ends}")
     return code

@@ -1,22 +1,31 @@
 """Which implementation an op runs: the XLA reference or a Pallas kernel.
 
-The target platform is the default device's when one is set (`with jax.default_device(d)`, how a
-program is compiled ahead of time for a TPU topology from a CPU host), else the default backend.
-`impl="auto"` picks the Mosaic kernel on TPU and the XLA reference on CPU and on GPU: the
-Triton-lowered GPU kernels (Pallas Triton is deprecated from JAX 0.11) match XLA on an H100
-(`make device-check`, docs/results.md) but decode slower than the XLA path there, so they are
-opt-in (`impl="pallas_gpu"` or the environment) and warn when compiled for one. The
-environment variable `SPARSERL_KERNEL_IMPL` (xla, pallas_tpu, pallas_gpu) overrides "auto".
+The target is the platform the program is lowered for, which tracing does not know: a program
+traced on a CPU host may be lowered for a TPU (`jit(..., in_shardings=<on TPU topology devices>)`,
+`.trace(...).lower(lowering_platforms=("tpu",))`, `jax.default_device(<TPU device>)`). So an op
+traces its choice for each platform in `PLATFORMS` and `jax.lax.platform_dependent` keeps, at
+lowering, the one for the platform lowered for (`by_platform`): JAX lowers no other branch, so a
+TPU program holds the Mosaic call and never the interpreter, and a CPU program never a Mosaic
+call. With a `mesh=` the target is its devices' platform, known when tracing. Identical choices
+are traced once; an op whose choices agree everywhere (`impl="xla"`) has no branch at all.
+`target_platform()` (the default device's platform) serves only reports of what runs there.
+
+Per platform: `impl="auto"` picks the Mosaic kernel on TPU and the XLA reference on CPU and on
+GPU: the Triton-lowered GPU kernels (Pallas Triton is deprecated from JAX 0.11) match XLA on an
+H100 (`make device-check`, docs/results.md) but decode slower than the XLA path there, so they
+are opt-in (`impl="pallas_gpu"` or the environment) and warn when traced for one. The environment
+variable `SPARSERL_KERNEL_IMPL` (xla, pallas_tpu, pallas_gpu) overrides "auto". A kernel asked
+for runs compiled on its platform and in Pallas' HLO interpreter (`interpret=True`) on any other
+(CPU tests): not TPU interpret mode, whose ordered host callbacks a platform-dependent branch
+cannot hold (JAX threads the effect tokens of every branch into the one it lowers). Compiled, a
+kernel runs only on the shapes its `unsupported_reason` accepts; any other shape goes to the XLA
+reference with one log line per (op, reason) (`choose_impl`), so a program never reaches a kernel
+its compiler rejects.
 
 On a device mesh (`mesh=` of the ops), a compiled kernel runs per device under `shard_map`
 (`on_mesh`): Mosaic calls cannot be partitioned by XLA. KV heads are split over the mesh when
 their count divides by the mesh size (query heads follow, group by group), otherwise every device
 runs the whole op on replicated operands.
-
-A kernel runs in interpret mode when the target is not its platform (CPU tests). Compiled for its
-platform, a kernel runs only on the shapes its `unsupported_reason` accepts; any other shape goes
-to the XLA reference with one log line per (op, reason) (`choose_impl`), so a program never
-reaches a kernel its compiler rejects.
 """
 
 from __future__ import annotations
@@ -36,19 +45,33 @@ Concrete = Literal["xla", "pallas_tpu", "pallas_gpu"]
 IMPLS: tuple[str, ...] = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 KERNEL_IMPL_ENV = "SPARSERL_KERNEL_IMPL"
 KERNEL_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+# The lowering platforms an op tells apart ("gpu": cuda or rocm; "cpu": any other).
+PLATFORMS: tuple[str, ...] = ("tpu", "gpu", "cpu")
 
 logger = logging.getLogger("pallas_kernels")
 _LOGGED: set[tuple[str, str]] = set()
 
 
+def platform_name(platform: str) -> str:
+    """A device platform as dispatch names it: "gpu" for "cuda" and "rocm", else unchanged."""
+    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+
+
 def target_platform() -> str:
-    """ "tpu", "gpu" or "cpu": the default device's platform if set, else the default backend."""
+    """ "tpu", "gpu" or "cpu": the default device's platform if set, else the default backend.
+
+    Where eager code runs, and what reports of "what runs here" assume; a traced op decides by
+    the platform its program is lowered for instead (`by_platform`).
+    """
     dev = jax.config.jax_default_device
     if dev is None:
-        platform = jax.default_backend()
-    else:
-        platform = dev if isinstance(dev, str) else dev.platform
-    return "gpu" if platform in ("gpu", "cuda", "rocm") else platform
+        return platform_name(jax.default_backend())
+    return platform_name(dev if isinstance(dev, str) else dev.platform)
+
+
+def mesh_platform(mesh: Mesh | None) -> str | None:
+    """The platform of `mesh`'s devices, None without a mesh."""
+    return None if mesh is None else platform_name(mesh.devices.flat[0].platform)
 
 
 def resolve_impl(impl: Impl, *, platform: str | None = None) -> Concrete:
@@ -66,8 +89,9 @@ def resolve_impl(impl: Impl, *, platform: str | None = None) -> Concrete:
 
 
 def interpret_needed(which: Concrete, *, platform: str | None = None) -> bool:
-    """Whether kernel `which` must run in interpret mode: the target is not its platform."""
-    return KERNEL_PLATFORM[which] != (platform or target_platform())
+    """Whether kernel `which` runs in interpret mode on `platform` (default: `target_platform()`):
+    the platform is not the kernel's."""
+    return which != "xla" and KERNEL_PLATFORM[which] != (platform or target_platform())
 
 
 def choose_impl(
@@ -77,7 +101,8 @@ def choose_impl(
     *,
     platform: str | None = None,
 ) -> Concrete:
-    """`resolve_impl`, then the XLA path when the chosen kernel cannot compile these shapes.
+    """What `op` runs on `platform` (default: `target_platform()`): `resolve_impl`, then the XLA
+    path when the chosen kernel cannot compile these shapes there.
 
     `unsupported(which)` returns why kernel `which` cannot be compiled for the shapes at hand
     (None if it can); it is consulted only when the kernel would be compiled, not interpreted.
@@ -90,16 +115,58 @@ def choose_impl(
     if reason is not None:
         if (op, reason) not in _LOGGED:
             _LOGGED.add((op, reason))
-            logger.warning("%s: %s cannot compile these shapes (%s); using XLA", op, which, reason)
+            logger.warning(
+                "%s: %s cannot compile these shapes (%s); using XLA on %s",
+                op,
+                which,
+                reason,
+                platform,
+            )
         return "xla"
     if which == "pallas_gpu":
         warnings.warn(
             f"{op}: the Pallas Triton GPU kernels are deprecated from JAX 0.11 and decode slower "
             "than XLA on an H100 (docs/results.md); impl='xla' is the default there",
             UserWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
     return which
+
+
+def by_platform(
+    choose: Callable[[str], Concrete],
+    build: Callable[[Concrete, bool], Callable[..., Any]],
+    args: Sequence[Any],
+    *,
+    mesh: Mesh | None = None,
+) -> Any:
+    """`build(which, interpret)(*args)` for the platform the program is lowered for.
+
+    `which = choose(platform)` and `interpret = interpret_needed(which, platform=platform)`, for
+    the mesh's platform when a `mesh` is given, else for each of `PLATFORMS` under
+    `jax.lax.platform_dependent` ("cpu" stands for any platform but TPU and GPU). Each distinct
+    (which, interpret) is built and traced once.
+    """
+    platforms = PLATFORMS if mesh is None else (mesh_platform(mesh),)
+    built: dict[tuple[Concrete, bool], Callable[..., Any]] = {}
+    branch: dict[str, Callable[..., Any]] = {}
+    for platform in platforms:
+        which = choose(platform)
+        key = (which, interpret_needed(which, platform=platform))
+        if key not in built:
+            built[key] = build(*key)
+        branch[platform] = built[key]
+    if len(built) == 1:
+        return next(iter(built.values()))(*args)
+    # JAX lowers only the lowering platform's branch, yet expects the ordered-effect tokens of
+    # all of them: branches must hold no ordered effects (no TPU interpret mode, see above).
+    return jax.lax.platform_dependent(
+        *args,
+        tpu=branch["tpu"],
+        cuda=branch["gpu"],
+        rocm=branch["gpu"],
+        default=branch["cpu"],
+    )
 
 
 def cdiv(a: int, b: int) -> int:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, Shaped
 
 from pallas_kernels._dispatch import (
     Concrete,
     Impl,
+    by_platform,
     choose_impl,
-    interpret_needed,
     local_kv_heads,
     on_mesh,
 )
@@ -32,8 +30,8 @@ def compact_pages(
 ) -> Shaped[Array, "P L K ..."]:
     """Each row's kept tokens gathered to the front of its pages (see `reference.py`).
 
-    `impl` and `mesh` as in `paged_decode_attention`; shapes the chosen kernel cannot compile
-    run on XLA.
+    `impl` and `mesh` as in `paged_decode_attention` (decided for the platform the program is
+    lowered for); shapes the chosen kernel cannot compile run on XLA.
     """
     b, kh, j = keep_bks.shape
 
@@ -43,22 +41,26 @@ def compact_pages(
             return kernel_tpu.unsupported_reason(b, page_table_bm.shape[1], local, j)
         return kernel_gpu.unsupported_reason(math.prod(pages.shape[3:]))
 
-    which = choose_impl("compact_pages", impl, unsupported)
-    if which == "xla":
-        return compact_pages_reference(pages, page_table_bm, keep_bks, new_len_b)
-    interpret = interpret_needed(which)
+    def build(which: Concrete, interpret: bool):
+        if which == "xla":
+            return compact_pages_reference
 
-    def kernel(pg, pt, keep, new_len):
-        if which == "pallas_gpu":
-            return kernel_gpu.compact_pages_gpu(pg, pt, keep, new_len, interpret=interpret)
-        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
-            return kernel_tpu.compact_pages_tpu(pg, pt, keep, new_len)
+        def kernel(pg, pt, keep, new_len):
+            if which == "pallas_gpu":
+                return kernel_gpu.compact_pages_gpu(pg, pt, keep, new_len, interpret=interpret)
+            return kernel_tpu.compact_pages_tpu(pg, pt, keep, new_len, interpret=interpret)
 
-    return on_mesh(
-        kernel,
+        def run(*args):
+            in_head_dims = (2, None, 1, None)
+            return on_mesh(
+                kernel, args, mesh=mesh, kv_heads=kh, in_head_dims=in_head_dims, out_head_dims=2
+            )
+
+        return run
+
+    return by_platform(
+        lambda platform: choose_impl("compact_pages", impl, unsupported, platform=platform),
+        build,
         (pages, page_table_bm, keep_bks, new_len_b),
         mesh=mesh,
-        kv_heads=kh,
-        in_head_dims=(2, None, 1, None),
-        out_head_dims=2,
     )

@@ -54,14 +54,19 @@ def _kernel(
     jax.lax.fori_loop(0, len_ref[b], body, 0)
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def compact_pages_tpu(
     pages: Shaped[Array, "P L K ..."],
     page_table_bm: Int[Array, "B M"],
     keep_bks: Int[Array, "B K J"],
     new_len_b: Int[Array, " B"],
+    *,
+    interpret: bool = False,
 ) -> Shaped[Array, "P L K ..."]:
-    """The pool with each row's kept tokens moved to its front, in place (see `reference.py`)."""
+    """The pool with each row's kept tokens moved to its front, in place (see `reference.py`).
+
+    `interpret`: run in Pallas' HLO interpreter (any platform), as the api does off a TPU.
+    """
     p, page_size, kh = pages.shape[:3]
     # [P, L, K, 1, F]: the kv head is a leading (untiled) dim, so a DMA may start at any head.
     flat = pages.reshape(p, page_size, kh, 1, -1)
@@ -83,6 +88,7 @@ def compact_pages_tpu(
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         input_output_aliases={3: 0},
+        interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
     )(new_len_b, page_table_bm.reshape(-1), keep_bks.reshape(-1), flat)
     return out.reshape(pages.shape)

@@ -2,21 +2,22 @@
 
 from __future__ import annotations
 
-import contextlib
+import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._dispatch import (
     Concrete,
     Impl,
+    by_platform,
     cdiv,
     choose_impl,
-    interpret_needed,
     local_kv_heads,
+    mesh_platform,
     on_mesh,
 )
 from pallas_kernels.paged_attention import kernel_gpu, kernel_tpu
@@ -34,8 +35,10 @@ def decode_impl(
     *,
     impl: Impl = "auto",
     mesh: Mesh | None = None,
+    platform: str | None = None,
 ) -> Concrete:
-    """What `paged_decode_attention` runs for a `[P, L, K, H]` pool on the target platform.
+    """What `paged_decode_attention` runs for a `[P, L, K, H]` pool on `platform` (default: the
+    mesh's, else `_dispatch.target_platform()`).
 
     The chosen kernel when it compiles for these shapes, else "xla" (logged once); see
     `_dispatch.choose_impl` and each kernel's `unsupported_reason`. On a `mesh` the shapes
@@ -51,7 +54,42 @@ def decode_impl(
             return kernel_tpu.unsupported_reason(kv_shape, batch, max_pages)
         return kernel_gpu.unsupported_reason(num_heads // kv_heads, page_size, head_dim)
 
-    return choose_impl("paged_decode_attention", impl, unsupported)
+    platform = platform or mesh_platform(mesh)
+    return choose_impl("paged_decode_attention", impl, unsupported, platform=platform)
+
+
+def decode_kernel(
+    which: Concrete, *, interpret: bool, return_probs: bool, mesh: Mesh | None
+) -> Callable[..., tuple[jax.Array, jax.Array | None]]:
+    """Kernel `which` as `paged_decode_attention` runs it: `(q, k_pages, v_pages, page_table,
+    lengths) -> (out, probs or None)`, per device on a `mesh`, in interpret mode if asked."""
+
+    def kernel(q, kp, vp, pt, lens):
+        if which == "pallas_gpu":
+            return kernel_gpu.paged_decode_attention_gpu(
+                q, kp, vp, pt, lens, return_logits=return_probs, interpret=interpret
+            )
+        return kernel_tpu.paged_decode_attention_tpu(
+            q, kp, vp, pt, lens, return_logits=return_probs, interpret=interpret
+        )
+
+    def arrays_only(*args):
+        out, lse, logits = kernel(*args)
+        return (out, lse) if logits is None else (out, lse, logits)
+
+    def run(q, kp, vp, pt, lens):
+        got = on_mesh(
+            arrays_only,
+            (q, kp, vp, pt, lens),
+            mesh=mesh,
+            kv_heads=kp.shape[2],
+            in_head_dims=(1, 2, 2, None, None),
+            out_head_dims=(1, 1, 1) if return_probs else (1, 1),
+        )
+        out, lse, logits = got if return_probs else (*got, None)
+        return out, probs_from_logits(logits, lse, lens) if return_probs else None
+
+    return run
 
 
 def paged_decode_attention(
@@ -70,44 +108,24 @@ def paged_decode_attention(
     Returns fp32 outputs `[B, N, H]` and, with `return_probs`, the per-key softmax
     probabilities `[B, N, M * L]` (zero past the length) that H2O accumulates. See
     `reference.py` for the layout. `impl`: "auto" (the Mosaic kernel on TPU, XLA on CPU and GPU),
-    "xla", "pallas_tpu" or "pallas_gpu" (interpret mode off their platform); a kernel that cannot
+    "xla", "pallas_tpu" or "pallas_gpu" (interpret mode off their platform), decided for the
+    platform the program is lowered for (`_dispatch.by_platform`); a kernel that cannot
     compile these shapes falls back to XLA (`decode_impl`). On a `mesh` a kernel runs per device
     (`_dispatch.on_mesh`: heads split when the KV heads divide by the mesh size).
     """
     b, m = page_table_bm.shape
-    which = decode_impl(k_pages.shape, q_bnh.shape[1], b, m, impl=impl, mesh=mesh)
-    if which == "xla":
-        return paged_decode_attention_reference(
-            q_bnh, k_pages, v_pages, page_table_bm, lengths_b, return_probs=return_probs
-        )
-    interpret = interpret_needed(which)
 
-    def kernel(q, kp, vp, pt, lens):
-        if which == "pallas_gpu":
-            return kernel_gpu.paged_decode_attention_gpu(
-                q, kp, vp, pt, lens, return_logits=return_probs, interpret=interpret
-            )
-        ctx = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
-        with ctx:
-            return kernel_tpu.paged_decode_attention_tpu(
-                q, kp, vp, pt, lens, return_logits=return_probs
-            )
+    def choose(platform: str) -> Concrete:
+        n = q_bnh.shape[1]
+        return decode_impl(k_pages.shape, n, b, m, impl=impl, mesh=mesh, platform=platform)
 
-    def arrays_only(*args):
-        out, lse, logits = kernel(*args)
-        return (out, lse) if logits is None else (out, lse, logits)
+    def build(which: Concrete, interpret: bool):
+        if which == "xla":
+            return functools.partial(paged_decode_attention_reference, return_probs=return_probs)
+        return decode_kernel(which, interpret=interpret, return_probs=return_probs, mesh=mesh)
 
-    got = on_mesh(
-        arrays_only,
-        (q_bnh, k_pages, v_pages, page_table_bm, lengths_b),
-        mesh=mesh,
-        kv_heads=k_pages.shape[2],
-        in_head_dims=(1, 2, 2, None, None),
-        out_head_dims=(1, 1, 1) if return_probs else (1, 1),
-    )
-    out, lse, logits = got if return_probs else (*got, None)
-    probs = probs_from_logits(logits, lse, lengths_b) if return_probs else None
-    return out, probs
+    args = (q_bnh, k_pages, v_pages, page_table_bm, lengths_b)
+    return by_platform(choose, build, args, mesh=mesh)
 
 
 def paged_decode_attention_xla_bucketed(

@@ -127,7 +127,7 @@ def _kernel(lens_ref, pt_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *rest, page_s
         lse_ref[...] = m_sc[...] + jnp.log(safe_l)
 
 
-@functools.partial(jax.jit, static_argnames=("return_logits",))
+@functools.partial(jax.jit, static_argnames=("return_logits", "interpret"))
 def paged_decode_attention_tpu(
     q_bnh: Float[Array, "B N H"],
     k_pages: Float[Array, "P L K H"],
@@ -136,10 +136,12 @@ def paged_decode_attention_tpu(
     lengths_b: Int[Array, " B"],
     *,
     return_logits: bool = False,
+    interpret: bool = False,
 ) -> tuple[Float[Array, "B N H"], Float[Array, "B N"], Float[Array, "B N S"] | None]:
     """Same contract as `kernel_gpu.paged_decode_attention_gpu` (fp32 out, lse, raw logits).
 
     Any shape in interpret mode; compiled, the shapes `unsupported_reason` accepts.
+    `interpret`: run in Pallas' HLO interpreter (any platform), as the api does off a TPU.
     """
     b, n, h = q_bnh.shape
     num_pages, page_size, kh, _ = k_pages.shape
@@ -189,6 +191,7 @@ def paged_decode_attention_tpu(
         functools.partial(_kernel, page_size=page_size, with_logits=return_logits),
         grid_spec=grid_spec,
         out_shape=out_shape,
+        interpret=interpret,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary")
         ),

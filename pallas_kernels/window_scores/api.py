@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-
-from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels._dispatch import (
     Concrete,
     Impl,
+    by_platform,
     choose_impl,
-    interpret_needed,
     local_kv_heads,
     on_mesh,
 )
@@ -33,8 +30,8 @@ def window_scores(
 ) -> Float[Array, "B K S"]:
     """SnapKV importance of every kept key, `[B, K, M * L]` (see `reference.py`).
 
-    `impl` and `mesh` as in `paged_decode_attention`; shapes the chosen kernel cannot compile
-    run on XLA.
+    `impl` and `mesh` as in `paged_decode_attention` (decided for the platform the program is
+    lowered for); shapes the chosen kernel cannot compile run on XLA.
     """
     b, w = q_bwnh.shape[:2]
     m = page_table_bm.shape[1]
@@ -46,22 +43,31 @@ def window_scores(
             return tpu_unsupported(local_shape, b, m, smem_words=b)
         return kernel_gpu.unsupported_reason(w, page_size, head_dim)
 
-    which = choose_impl("window_scores", impl, unsupported)
-    if which == "xla":
-        return window_scores_reference(q_bwnh, k_pages, page_table_bm, lengths_b, num_queries_b)
-    interpret = interpret_needed(which)
+    def build(which: Concrete, interpret: bool):
+        if which == "xla":
+            return window_scores_reference
 
-    def kernel(q, kp, pt, lens, nq):
-        if which == "pallas_gpu":
-            return kernel_gpu.window_scores_gpu(q, kp, pt, lens, nq, interpret=interpret)
-        with pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext():
-            return kernel_tpu.window_scores_tpu(q, kp, pt, lens, nq)
+        def kernel(q, kp, pt, lens, nq):
+            if which == "pallas_gpu":
+                return kernel_gpu.window_scores_gpu(q, kp, pt, lens, nq, interpret=interpret)
+            return kernel_tpu.window_scores_tpu(q, kp, pt, lens, nq, interpret=interpret)
 
-    return on_mesh(
-        kernel,
+        def run(*args):
+            in_head_dims = (2, 2, None, None, None)
+            return on_mesh(
+                kernel,
+                args,
+                mesh=mesh,
+                kv_heads=kv_heads,
+                in_head_dims=in_head_dims,
+                out_head_dims=1,
+            )
+
+        return run
+
+    return by_platform(
+        lambda platform: choose_impl("window_scores", impl, unsupported, platform=platform),
+        build,
         (q_bwnh, k_pages, page_table_bm, lengths_b, num_queries_b),
         mesh=mesh,
-        kv_heads=kv_heads,
-        in_head_dims=(2, 2, None, None, None),
-        out_head_dims=1,
     )

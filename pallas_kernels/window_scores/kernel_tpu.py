@@ -84,15 +84,20 @@ def _kernel(
         o_ref[...] = sums * inv_nq
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames=("interpret",))
 def window_scores_tpu(
     q_bwnh: Float[Array, "B W N H"],
     k_pages: Float[Array, "P L K H"],
     page_table_bm: Int[Array, "B M"],
     lengths_b: Int[Array, " B"],
     num_queries_b: Int[Array, " B"],
+    *,
+    interpret: bool = False,
 ) -> Float[Array, "B K S"]:
-    """SnapKV importance `[B, K, M * L]`, zero past each row's length (see `reference.py`)."""
+    """SnapKV importance `[B, K, M * L]`, zero past each row's length (see `reference.py`).
+
+    `interpret`: run in Pallas' HLO interpreter (any platform), as the api does off a TPU.
+    """
     b, w, n, h = q_bwnh.shape
     num_pages, page_size, kh, _ = k_pages.shape
     g = n // kh
@@ -139,6 +144,7 @@ def window_scores_tpu(
         functools.partial(_kernel, page_size=page_size, w=w),
         grid_spec=grid_spec,
         out_shape=jax.ShapeDtypeStruct((b, j, m, out_rows, page_size), jnp.float32),
+        interpret=interpret,
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")
         ),

@@ -33,9 +33,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxtyping import Array, Bool, Float, Int
 
-from pallas_kernels import paged_decode_attention
-from pallas_kernels._dispatch import Impl, kv_head_axes
-from pallas_kernels.paged_attention.api import decode_impl, paged_decode_attention_xla_bucketed
+from pallas_kernels._dispatch import Concrete, Impl, by_platform, kv_head_axes
+from pallas_kernels.paged_attention.api import (
+    decode_impl,
+    decode_kernel,
+    paged_decode_attention_xla_bucketed,
+)
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 from sparserl_jax.kvcache import allocator
 from sparserl_jax.kvcache.config import cdiv
@@ -248,34 +251,29 @@ class PagedKVCache:
         kv_len_b = self.lengths_b + self.new_counts_b
         want_probs = self.attn_mass is not None
         m = self.page_table.shape[1]
-        # The decode path: the kernel when it compiles for these shapes, else XLA (logged once).
-        decode_on = decode_impl(
-            k_pages.shape[1:], q_btnh.shape[2], b, m, impl=self.impl, mesh=self.mesh
-        )
-        if t == 1 and decode_on == "xla":
-            # XLA decode: bounded by the longest row's pages, not by the table's capacity.
-            out_bnh, probs_bns = paged_decode_attention_xla_bucketed(
-                q_btnh[:, 0],
-                k_pages,
-                v_pages,
-                layer,
-                self.page_table,
-                kv_len_b,
-                return_probs=want_probs,
-            )
-            out_btnh = out_bnh[:, None]
-            probs_btns = None if probs_bns is None else probs_bns[:, None]
-        elif t == 1:
-            out_bnh, probs_bns = paged_decode_attention(
-                q_btnh[:, 0],
-                k_pages[layer],
-                v_pages[layer],
-                self.page_table,
-                kv_len_b,
-                return_probs=want_probs,
-                impl=decode_on,
-                mesh=self.mesh,
-            )
+        if t == 1:
+            # Decode per target platform (`by_platform`): the kernel when it compiles for these
+            # shapes, else XLA (logged once), bounded by the longest row's pages rather than
+            # the table's capacity. Both slice the layer inside their branch.
+            n, shape = q_btnh.shape[2], k_pages.shape[1:]
+
+            def choose(platform: str) -> Concrete:
+                return decode_impl(
+                    shape, n, b, m, impl=self.impl, mesh=self.mesh, platform=platform
+                )
+
+            def build(which: Concrete, interpret: bool):
+                if which == "xla":
+                    return lambda q, kp, vp, pt, lens: paged_decode_attention_xla_bucketed(
+                        q, kp, vp, layer, pt, lens, return_probs=want_probs
+                    )
+                kernel = decode_kernel(
+                    which, interpret=interpret, return_probs=want_probs, mesh=self.mesh
+                )
+                return lambda q, kp, vp, pt, lens: kernel(q, kp[layer], vp[layer], pt, lens)
+
+            args = (q_btnh[:, 0], k_pages, v_pages, self.page_table, kv_len_b)
+            out_bnh, probs_bns = by_platform(choose, build, args, mesh=self.mesh)
             out_btnh = out_bnh[:, None]
             probs_btns = None if probs_bns is None else probs_bns[:, None]
         else:

@@ -20,6 +20,13 @@ turns auto into chunked. A kernel that cannot take the shapes (`unsupported_reas
 to chunked with one log line per reason, as `pallas_kernels._dispatch.choose_impl` does. Off its
 platform a kernel is refused, except splash, which runs in interpret mode (CPU tests).
 
+The target is the platform the program is lowered for, as for the paged kernels
+(`pallas_kernels._dispatch.by_platform`): the choice for a TPU and the one for any other platform
+are both traced and `jax.lax.platform_dependent` keeps, at lowering, the lowering platform's (a
+program traced on a CPU host and lowered for TPU devices holds compiled splash, never its
+interpreter). cuDNN is traced against the local library, so a GPU branch exists only in a
+process on a GPU.
+
 Splash is a Mosaic call, which XLA cannot partition: inside a program traced under a mesh
 (`with_attention_mesh`, `jax.set_mesh` or `jax.sharding.use_abstract_mesh`; the learner's step
 and logprobs do) it runs per device under `shard_map`, rows split over the `data`/`fsdp` axes and
@@ -134,7 +141,9 @@ def _splash_block(t: int, block: int) -> int:
     return best
 
 
-def _splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, block_q: int, block_kv: int, mesh):
+def _splash(
+    q_btnh, k_btkh, v_btkh, segment_ids_bt, *, block_q: int, block_kv: int, mesh, interpret: bool
+):
     b, t, n, h = q_btnh.shape
     kh = k_btkh.shape[2]
     g = n // kh
@@ -150,10 +159,14 @@ def _splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, block_q: int, block_kv: i
         block_q_dq=bq,
         block_kv_dq=bk,
     )
-    kernel = splash.make_splash_mqa_single_device(
+    # Made where it is called: the kernel holds its mask tables as arrays, which must belong to
+    # the trace that uses them (a custom VJP's backward is traced after a platform-dependent
+    # branch's trace has ended).
+    make_kernel = functools.partial(
+        splash.make_splash_mqa_single_device,
         splash.MultiHeadMask([splash.CausalMask((tp, tp))] * g),
         block_sizes=sizes,
-        interpret=_dispatch.target_platform() != "tpu",
+        interpret=interpret,
     )
     pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
     dt = q_btnh.dtype
@@ -164,13 +177,14 @@ def _splash(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, block_q: int, block_kv: i
     if segment_ids_bt is None:
 
         def per_row(q_kgth, k_kth, v_kth):
-            return jax.vmap(kernel)(q_kgth, k_kth, v_kth)
+            return jax.vmap(make_kernel())(q_kgth, k_kth, v_kth)
 
         args = (q_bkgth, k_bkth, v_bkth)
     else:
 
         def per_row(q_kgth, k_kth, v_kth, seg_t):
             ids = splash.SegmentIds(q=seg_t, kv=seg_t)
+            kernel = make_kernel()
             return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q_kgth, k_kth, v_kth)
 
         seg = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, tp - t)))
@@ -258,8 +272,35 @@ def causal_attention(
     multiple of 128 that divides the padded length). The mesh splash runs per device on is the
     abstract mesh of the tracing context (see the module docstring).
     """
-    b, t, n, h = q_btnh.shape
-    which = resolve_attention(impl, q_btnh.dtype, h, segmented=segment_ids_bt is not None)
+    h = q_btnh.shape[3]
+    here = _dispatch.target_platform()
+    # cuDNN is traced against the local library: a GPU branch only in a process on a GPU.
+    platforms = ("tpu", "gpu", "cpu") if here == "gpu" else ("tpu", "cpu")
+    segmented = segment_ids_bt is not None
+    built: dict[tuple[str, bool], Callable] = {}
+    branch: dict[str, Callable] = {}
+    for p in platforms:
+        which = resolve_attention(impl, q_btnh.dtype, h, segmented=segmented, platform=p)
+        key = (which, which == "splash" and p != "tpu")
+        if key not in built:
+            built[key] = functools.partial(
+                _attend, which=which, interpret=key[1], block_q=block_q, block_kv=block_kv
+            )
+        branch[p] = built[key]
+    args = (q_btnh, k_btkh, v_btkh, segment_ids_bt)
+    if len(built) == 1:
+        return next(iter(built.values()))(*args)
+    # The branch of the platform the program is lowered for, chosen at lowering (see the module
+    # docstring): a TPU program holds compiled splash and never the interpreter.
+    gpu = branch.get("gpu", branch["cpu"])
+    return jax.lax.platform_dependent(
+        *args, tpu=branch["tpu"], cuda=gpu, rocm=gpu, default=branch["cpu"]
+    )
+
+
+def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, which, interpret, block_q, block_kv):
+    """`causal_attention` on implementation `which` (splash interpreted if `interpret`)."""
+    b, t = q_btnh.shape[:2]
     if which == "dense":
         out = gqa_attention(q_btnh, k_btkh, v_btkh, dense_mask(t, segment_ids_bt, b))
     elif which == "chunked":
@@ -278,5 +319,6 @@ def causal_attention(
             block_q=block_q,
             block_kv=block_kv,
             mesh=None if mesh.empty else mesh,
+            interpret=interpret,
         )
     return out.astype(q_btnh.dtype)

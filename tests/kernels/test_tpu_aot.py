@@ -1,18 +1,24 @@
 """Ahead-of-time compiles of the ops for TPU topologies (v5e, v5p, v6e) from a CPU host.
 
 These exercise Mosaic, not interpret mode: the ops are compiled with `impl="auto"` under
-`jax.default_device(<topology device>)`, so dispatch targets the TPU, and every compiled program
-must hold a `tpu_custom_call` (the Mosaic kernel) -- or none, for shapes that dispatch sends to
-XLA. They need libtpu (the `tpu` extra, `make test-tpu-aot`) and are skipped without it, or fail
-when `SPARSERL_REQUIRE_TPU_AOT` is set (as `make test-tpu-aot` does, so CI cannot skip them).
+`jax.default_device(<topology device>)`, or with the kernel asked for in a program that only its
+shardings place on the TPU, and every compiled program must hold a `tpu_custom_call` (the Mosaic
+kernel) -- or none, for shapes that dispatch sends to XLA. They need libtpu (the `tpu` extra,
+`make test-tpu-aot`) and are skipped without it, or fail when `SPARSERL_REQUIRE_TPU_AOT` is set
+(as `make test-tpu-aot` does, so CI cannot skip them).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from benchmarks.tpu_aot import mosaic_calls
 from pallas_kernels import _dispatch, compact_pages, paged_decode_attention, window_scores
 from sparserl_jax.testing import tpu
 
@@ -110,3 +116,50 @@ def test_unsupported_shapes_compile_on_xla(device):
         ((B,), jnp.int32),
     )
     assert "tpu_custom_call" not in text
+
+
+# Each op, its Mosaic kernel's name and its operands (page size 16, head dim 64, 2 KV heads).
+KV, TABLE, ROWS = ((P, 16, 2, 64), jnp.bfloat16), ((B, M), jnp.int32), ((B,), jnp.int32)
+FORCED = {
+    "paged_attention": (
+        functools.partial(paged_decode_attention, return_probs=True),
+        "paged_decode_attention_tpu",
+        [((B, 14, 64), jnp.bfloat16), KV, KV, TABLE, ROWS],
+    ),
+    "window_scores": (
+        window_scores,
+        "window_scores_tpu",
+        [((B, 8, 14, 64), jnp.bfloat16), KV, TABLE, ROWS, ROWS],
+    ),
+    "compaction": (
+        compact_pages,
+        "compact_pages_tpu",
+        [KV, TABLE, ((B, 2, M * 4), jnp.int32), ROWS],
+    ),
+}
+
+
+@pytest.mark.parametrize("chips", [1, 4])
+@pytest.mark.parametrize("op", sorted(FORCED))
+def test_forced_kernel_compiles_with_mosaic_by_its_shardings(op, chips):
+    """`impl="pallas_tpu"` in a program that only its `in_shardings` place on TPU devices (no
+    `jax.default_device`): dispatch follows the platform lowered for, so the program holds the
+    Mosaic call, once (per chip, under `shard_map`, with `mesh=` on 4 chips), and not the
+    interpreter (Pallas' HLO interpreter loops over the grid; TPU interpret mode calls the host)."""
+    fn, kernel, shapes_dtypes = FORCED[op]
+    mesh = Mesh(np.array(tpu.topology("v5p:2x2x1").devices[:chips]), ("fsdp",))
+    assert _dispatch.target_platform() == "cpu"  # the process's: dispatch must not follow it
+    structs = [jax.ShapeDtypeStruct(s, d) for s, d in shapes_dtypes]
+    shardings = tuple(NamedSharding(mesh, PartitionSpec()) for _ in structs)
+
+    def call(*args):
+        return fn(*args, impl="pallas_tpu", mesh=mesh if chips > 1 else None)
+
+    # Mosaic reads the chip generation from the abstract mesh, else the default device (CPU).
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(call, in_shardings=shardings).lower(*structs)
+    text = lowered.as_text()
+    assert "tpu_custom_call" in text
+    interpreter = ("stablehlo.while", "callback", "stablehlo.send", "stablehlo.recv")
+    assert not any(word in text for word in interpreter)
+    assert mosaic_calls(lowered.compile().as_text()) == {kernel: 1}

@@ -371,3 +371,53 @@ def test_a_lost_reply_of_a_conditional_write_is_not_a_lost_claim():
     assert other is None  # a real loss of the race is still a loss
     kv.lost["write"] = 1
     assert ex.begin_epoch({"start_version": 0}) == 1  # a lost reply of the epoch's create
+
+
+def _tally(ex: Exchange) -> dict[str, int]:
+    """Count the keys `ex` lists and the keys it reads (until `del ex.list, ex.read`)."""
+    seen = {"listed": 0, "read": 0}
+
+    def listing(prefix):
+        keys = Exchange.list(ex, prefix)
+        seen["listed"] += len(keys)
+        return keys
+
+    def reading(key):
+        seen["read"] += 1
+        return Exchange.read(ex, key)
+
+    ex.list, ex.read = listing, reading
+    return seen
+
+
+def test_a_sampler_poll_costs_the_open_items_not_the_run(tmp_path):
+    """Judged items leave the `open/` index and, once a checkpoint holds their verdicts, their
+    rollouts and claims are deleted: a sampler's poll reads only the items in flight."""
+    from sparserl_jax.decoupled.sampler_job import _open_item
+
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=0)
+    usable = _Usable(ex, 1, 0)
+    calls = []
+    for step in range(1, 31):
+        q.fill(step - 1)
+        (i,) = q.outstanding
+        if step in (2, 30):  # count one poll early in the run and one late: keys listed, reads
+            seen = _tally(ex)
+            claim, item = _open_item(ex, step - 1, "s0")
+            del ex.list, ex.read
+            calls.append(seen)
+            assert item.id == i and claim.sampler == "s0"
+        else:
+            ex.claim(i, "s0")
+        usable.version, usable.digests = step - 1, {step - 1: "d"}
+        _fake(ex, i, step - 1, "d")
+        item, _ = q.next_rollout(step, step - 1, usable)
+        q.consumed(item, {"step": step})
+        if step % 5 == 0:
+            q.collect()  # what the trainer does after each checkpoint
+    assert calls[0] == calls[1], calls  # the same cost at step 2 and at step 30
+    assert ex.open_ids() == [] and ex.ready_rollouts() == set() and ex.claimed_ids() == set()
+    assert ex.rollout(3) is None and ex.item(3) is not None  # the record and verdict stay
+    assert ex.closed_ids() == set(range(30))

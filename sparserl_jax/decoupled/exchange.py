@@ -7,12 +7,13 @@ Keys (under the kvstore's root; ids are zero-padded so listings sort numerically
     sync/e<E>/...             PULSESync patches and anchors of incarnation E (`KvStoreTransport`,
                               READY markers)
     items/<id>.json           a work item (written once by the trainer, never changed)
+    open/<id>                 present while the item is issued and not judged: what samplers poll
     claims/<id>               a sampler's claim on an item (created by a conditional write, so
                               exactly one sampler wins; renewed while it generates; revoked
                               by the trainer when it expires)
     rollouts/<id>.npz         the rollout of an item, then READY/rollouts/<id> holding its sha256
-    closed/<id>               the trainer's verdict on an item (consumed or dropped): samplers
-                              skip it
+    closed/<id>               the trainer's verdict on an item (consumed or dropped); once a
+                              checkpoint covers it, its rollout and claim are deleted
     samplers/<id>             a sampler's pulse (its version, its item)
 
 A single object is written atomically by every kvstore driver (file: temp file + rename; gs/s3:
@@ -297,7 +298,9 @@ class Exchange:
     # -- work items ---------------------------------------------------------------------------
 
     def put_item(self, item: WorkItem) -> None:
+        """The item, then its `open/` marker: samplers look only at open items."""
         self.write(f"items/{_id(item.id)}.json", item.to_json())
+        self.write(f"open/{_id(item.id)}", b"")
 
     def item(self, item_id: int) -> WorkItem | None:
         raw, _ = self.read(f"items/{_id(item_id)}.json")
@@ -309,13 +312,33 @@ class Exchange:
     def close_item(self, item_id: int, verdict: str) -> None:
         """The trainer's verdict (`consumed`, `dropped:<reason>`): samplers stop working on it."""
         self.write(f"closed/{_id(item_id)}", verdict.encode())
+        self.write(f"open/{_id(item_id)}", None)
 
     def reopen_item(self, item_id: int) -> None:
         """Void a verdict (a resumed trainer's: the dead incarnation's ledger rows are cut)."""
         self.write(f"closed/{_id(item_id)}", None)
+        self.write(f"open/{_id(item_id)}", b"")
 
     def closed_ids(self) -> set[int]:
         return set(self._ids("closed/"))
+
+    def open_ids(self) -> list[int]:
+        """Items issued and not judged, oldest first: what a sampler polls (a listing of at
+        most `async.max_staleness + 1` keys, however long the run)."""
+        return self._ids("open/")
+
+    def is_open(self, item_id: int) -> bool:
+        return self.read(f"open/{_id(item_id)}")[0] is not None
+
+    def is_ready(self, item_id: int) -> bool:
+        return self.read(f"READY/rollouts/{_id(item_id)}")[0] is not None
+
+    def collect(self, item_id: int) -> None:
+        """Delete what a judged item left behind (its rollout, READY marker and claim); its
+        record and verdict stay (small)."""
+        key = _id(item_id)
+        for k in (f"READY/rollouts/{key}", f"rollouts/{key}.npz", f"claims/{key}"):
+            self.write(k, None)
 
     # -- claims -------------------------------------------------------------------------------
 

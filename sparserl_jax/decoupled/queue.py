@@ -51,6 +51,7 @@ class WorkQueue:
         self.reissue: collections.deque[int] = collections.deque(state.get("reissue", []))
         self.items: dict[int, WorkItem] = {}
         self.counts = collections.Counter()
+        self.judged: list[int] = []  # since the last `collect`
         self._claims: dict[int, tuple[bytes, float]] = {}
         for i in self.outstanding:
             item = exchange.item(i)
@@ -68,6 +69,11 @@ class WorkQueue:
             item = exchange.item(i)
             self._drop(i, "abandoned", step=None, batch=None if item is None else item.batch)
         self.next_item = max([self.next_item, *(i + 1 for i in later)])
+        # What earlier incarnations judged before this checkpoint (and did not collect).
+        live = {*self.outstanding, *self.reissue}
+        self.judged += [
+            i for i in exchange.ready_rollouts() if i < self.next_item and i not in live
+        ]
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint holds (with the data iterator's own state beside it)."""
@@ -130,6 +136,7 @@ class WorkQueue:
             "dropped", {"item": i, "step": step, "batch": batch, "reason": reason, **extra}
         )
         self.ex.close_item(i, f"dropped:{reason}")
+        self.judged.append(i)
         self.counts[reason] += 1
         if i in self.outstanding:
             self.outstanding.remove(i)
@@ -198,3 +205,11 @@ class WorkQueue:
         self.ex.close_item(item.id, "consumed")
         self.outstanding.remove(item.id)
         self._claims.pop(item.id, None)
+        self.judged.append(item.id)
+
+    def collect(self) -> None:
+        """Delete the rollouts and claims of the items judged so far: call it once a checkpoint
+        holds their verdicts (a resumed trainer never looks at them again)."""
+        for i in self.judged:
+            self.ex.collect(i)
+        self.judged.clear()

@@ -130,9 +130,8 @@ def _open_item(ex: Exchange, version: int | None, sampler_id: str) -> tuple[Clai
     """Claim the oldest open item this sampler's weights are new enough for."""
     if version is None:
         return None
-    taken = ex.closed_ids() | ex.ready_rollouts() | ex.claimed_ids()
-    for i in ex.item_ids():
-        if i in taken:
+    for i in ex.open_ids():  # bounded by the items in flight, not by the run's length
+        if ex.is_ready(i) or ex.claim_state(i)[0] is not None:
             continue
         item = ex.item(i)
         if item is None or item.min_version > version:
@@ -236,7 +235,7 @@ def run_sampler(
                 item.id, sampler_id, epoch, sampler.version, sampler.receiver.state_digest, result
             )
             try:
-                if renewer.claim is not None and item.id not in ex.closed_ids():
+                if renewer.claim is not None and ex.is_open(item.id):
                     ex.put_rollout(rollout)
                     done.append(item.id)
             except _EXCHANGE_ERRORS as e:  # the item's claim will lapse and it is re-issued

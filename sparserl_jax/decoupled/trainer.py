@@ -218,6 +218,7 @@ def _run(cfg: Config, ex: Exchange, pulse: _Pulse, log_fn) -> dict:
         ckpt.save(step, {"learner": state}, meta)
         ckpt.wait()
         saved.append(step)
+        queue.collect()  # the checkpoint holds their verdicts
 
     step, staleness_seen, rewards_seen, saved = start_step, [], [], [start_step]
     # SIGTERM and SIGINT (`launch` forwards Ctrl-C): finish the step, checkpoint, stop.

@@ -18,6 +18,7 @@ from sparserl_jax.decoupled.exchange import (
     Exchange,
     ExchangeError,
     Rollout,
+    UnsafeExchangeError,
     WorkItem,
     decode_rollout,
     encode_rollout,
@@ -421,3 +422,44 @@ def test_a_sampler_poll_costs_the_open_items_not_the_run(tmp_path):
     assert ex.open_ids() == [] and ex.ready_rollouts() == set() and ex.claimed_ids() == set()
     assert ex.rollout(3) is None and ex.item(3) is not None  # the record and verdict stay
     assert ex.closed_ids() == set(range(30))
+
+
+class _NoConditions:
+    """A kvstore that ignores write conditions (an S3 server without conditional writes)."""
+
+    def __init__(self, kv):
+        self.kv = kv
+
+    def write(self, key, value, if_equal=None):
+        return self.kv.write(key, value)
+
+    def __getattr__(self, op):
+        return getattr(self.kv, op)
+
+
+def test_a_store_without_atomic_create_is_refused_in_one_line(tmp_path):
+    for url in _urls(tmp_path):
+        Exchange(url).check_conditional_writes()  # memory:// and file:// are atomic
+    ex = Exchange("memory://")
+    ex._kv = _NoConditions(ex._kv)
+    with pytest.raises(UnsafeExchangeError, match=r"create-if-absent write of probe/\w+ succeeded"):
+        ex.check_conditional_writes()
+    assert ex.list("probe/") == []  # the probe is removed
+
+
+def test_jobs_refuse_an_unsafe_store_before_any_work(tmp_path):
+    from sparserl_jax.decoupled.sampler_job import run_sampler
+    from sparserl_jax.decoupled.trainer import run_trainer
+
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "data.batch_size=4"])
+    for run in (
+        lambda ex: run_sampler(cfg, "0", url="memory://", exchange=ex),
+        lambda ex: run_trainer(cfg, exchange=ex),
+    ):
+        ex = Exchange("memory://")
+        ex._kv = _NoConditions(ex._kv)
+        t0 = time.monotonic()
+        with pytest.raises(UnsafeExchangeError, match="conditional writes atomic"):
+            run(ex)
+        assert time.monotonic() - t0 < 60  # at once, not after give_up_s
+        assert ex.list("items/") == [] and ex.list("trainer/") == []

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import io
 import json
+import secrets
 import time
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "CorruptRolloutError",
     "Exchange",
     "ExchangeError",
+    "UnsafeExchangeError",
     "Rollout",
     "WorkItem",
     "decode_rollout",
@@ -178,6 +180,10 @@ class ExchangeError(RuntimeError):
     the last error)."""
 
 
+class UnsafeExchangeError(Exception):
+    """The store does not make conditional writes atomic: no job may use it (not retried)."""
+
+
 # What a kvstore raises when a call fails (tensorstore maps its status errors to ValueError;
 # `.result(timeout=...)` raises TimeoutError).
 TRANSIENT = (ValueError, OSError, TimeoutError)
@@ -255,6 +261,24 @@ class Exchange:
             f"list {prefix}", lambda: self._kv.list(rng).result(timeout=self.timeout)
         )
         return sorted(k.decode()[len(prefix) :] for k in keys)
+
+    def check_conditional_writes(self) -> None:
+        """Refuse, in one line, a store whose create-if-absent is not atomic: the protocol's
+        claims and epochs rest on it (S3 makes it atomic only where the server supports
+        conditional writes). Creates a probe key twice; the second must fail."""
+        key = f"probe/{secrets.token_hex(8)}"
+        try:
+            first = self.write(key, b"1", if_equal=_ABSENT)
+            second = self.write(key, b"2", if_equal=_ABSENT)
+        finally:
+            self.write(key, None)
+        if first is None or second is not None:
+            raise UnsafeExchangeError(
+                f"exchange {self.url}: a create-if-absent write of {key} "
+                + ("failed on a new key" if first is None else "succeeded twice")
+                + ": this store does not make conditional writes atomic, which claims and epochs "
+                "need (file://, memory://, gs:// do; s3:// only where the server does)"
+            )
 
     def _ids(self, prefix: str, suffix: str = "") -> list[int]:
         return [int(k[: len(k) - len(suffix)]) for k in self.list(prefix) if k.endswith(suffix)]

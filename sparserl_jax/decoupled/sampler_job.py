@@ -151,13 +151,16 @@ def run_sampler(
     xcfg, steps = cfg.exchange, cfg.train.steps
     sampler = _build(cfg)
     waiter = _Waiter(xcfg, log_fn)
-    ex, epoch, transport = exchange, None, None
+    ex, epoch, transport, checked = exchange, None, None, False
     trainer_seen: tuple[bytes, float] | None = None
     done, versions, last_pulse = [], [], 0.0
     while True:
         try:
             if ex is None:
                 ex = Exchange(url, retries=xcfg.retries)
+            if not checked:  # an unsafe store is refused at once (not retried)
+                ex.check_conditional_writes()
+                checked = True
             hb, gen = ex.pulse("trainer/heartbeat")
         except _EXCHANGE_ERRORS as e:
             if waiter.trouble(f"cannot reach the exchange {url}: {' '.join(str(e).split())}"):

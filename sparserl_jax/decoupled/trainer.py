@@ -129,6 +129,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     if exchange is None:
         exchange = Exchange(exchange_url(cfg), retries=cfg.exchange.retries)
     ex = exchange
+    ex.check_conditional_writes()
     # Beat from the start: samplers see a trainer alive through the restore and the warm start
     # (and a relaunched run's new beat replaces the last one's `done`).
     pulse = _Pulse(ex, cfg.exchange.lease_s, steps=cfg.train.steps)

@@ -24,6 +24,9 @@ class ExchangeConfig:
       log_every_s: how often a waiting job says so.
       retries: a failed kvstore call is tried this many more times (backoff 0.5 s, doubling,
         at most 8 s) before the job gives up on it with one line naming the call.
+      endpoint: an `s3://` exchange's server when it is not AWS (MinIO, a cloud's S3 API, a
+        local emulator), e.g. `http://127.0.0.1:9000`; the region comes from `AWS_REGION` or
+        `AWS_DEFAULT_REGION` (default us-east-1), credentials as tensorstore finds them.
     """
 
     url: str | None = None
@@ -32,6 +35,7 @@ class ExchangeConfig:
     poll_s: float = 0.2
     log_every_s: float = 30.0
     retries: int = 4
+    endpoint: str | None = None
 
     def __post_init__(self):
         for name in ("lease_s", "give_up_s", "poll_s", "log_every_s"):
@@ -39,6 +43,10 @@ class ExchangeConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+        if self.endpoint is not None and not (self.url or "").startswith("s3://"):
+            raise ValueError(
+                f"endpoint {self.endpoint!r} is for an s3:// url, got url {self.url!r}"
+            )
         if self.url is not None and "://" not in self.url:
             raise ValueError(
                 f"url {self.url!r} is not a kvstore URL (file:///dir/, memory://, gs://bucket/dir/)"

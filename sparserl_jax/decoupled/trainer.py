@@ -69,11 +69,23 @@ from sparserl_jax.train import check_config
 __all__ = ["exchange_url", "run_trainer"]
 
 
-def exchange_url(cfg: Config) -> str:
-    """`exchange.url`, or `file://<run_dir>/exchange/` (absolute)."""
-    if cfg.exchange.url:
-        return cfg.exchange.url
-    return f"file://{Path(cfg.run_dir).absolute()}/exchange/"
+def exchange_url(cfg: Config) -> str | dict:
+    """`exchange.url`, or `file://<run_dir>/exchange/` (absolute); an `s3://` url with an
+    `exchange.endpoint` as the kvstore spec that names the server."""
+    xcfg = cfg.exchange
+    if not xcfg.url:
+        return f"file://{Path(cfg.run_dir).absolute()}/exchange/"
+    if xcfg.endpoint is None:
+        return xcfg.url
+    bucket, _, path = xcfg.url.removeprefix("s3://").partition("/")
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+    return {
+        "driver": "s3",
+        "bucket": bucket,
+        "path": path,
+        "endpoint": xcfg.endpoint,
+        "aws_region": region,
+    }
 
 
 def _restore(cfg: Config, learner: Learner, model, tokenizer, ckpt, log_fn):

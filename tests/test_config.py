@@ -106,3 +106,14 @@ def test_unknown_model_preset_names_closest():
         load_config("configs/qwen3-0.6b.yaml", ["model.preset=qwen3-0.6b"])
     with pytest.raises(ConfigError, match=r"model.arch = 5 \(int\) but expected a mapping"):
         load_config("configs/tiny.yaml", ["model.arch=5"])
+
+
+def test_object_store_write_rate_is_checked():
+    from sparserl_jax.decoupled.config import ExchangeConfig
+
+    ExchangeConfig(url="gs://b/run/")  # the defaults: a beat per second, renewals every 15 s
+    with pytest.raises(ValueError, match=r"pulse_s \(0.5\) and lease_s / 4 \(15.0.*must be >= 1"):
+        ExchangeConfig(url="gs://b/run/", pulse_s=0.5)
+    with pytest.raises(ValueError, match=r"lease_s / 4 \(0.5,"):
+        ExchangeConfig(url="s3://b/run/", lease_s=2)
+    ExchangeConfig(url="file:///tmp/x/", lease_s=2, pulse_s=0.1)  # a local store: no limit

@@ -24,6 +24,9 @@ class ExchangeConfig:
       log_every_s: how often a waiting job says so.
       retries: a failed kvstore call is tried this many more times (backoff 0.5 s, doubling,
         at most 8 s) before the job gives up on it with one line naming the call.
+      pulse_s: the period of the trainer's heartbeat and of each sampler's pulse: one write
+        per object per `pulse_s` (GCS allows about one write per second to one object, so on
+        `gs://` and `s3://` it must be >= 1 and claims, renewed every `lease_s / 4`, too).
       endpoint: an `s3://` exchange's server when it is not AWS (MinIO, a cloud's S3 API, a
         local emulator), e.g. `http://127.0.0.1:9000`; the region comes from `AWS_REGION` or
         `AWS_DEFAULT_REGION` (default us-east-1), credentials as tensorstore finds them.
@@ -35,14 +38,23 @@ class ExchangeConfig:
     poll_s: float = 0.2
     log_every_s: float = 30.0
     retries: int = 4
+    pulse_s: float = 1.0
     endpoint: str | None = None
 
     def __post_init__(self):
-        for name in ("lease_s", "give_up_s", "poll_s", "log_every_s"):
+        for name in ("lease_s", "give_up_s", "poll_s", "log_every_s", "pulse_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not isinstance(self.retries, int) or self.retries < 0:
             raise ValueError(f"retries must be an int >= 0, got {self.retries!r}")
+        if (self.url or "").startswith(("gs://", "s3://")) and (
+            self.pulse_s < 1.0 or self.lease_s / 4 < 1.0
+        ):
+            raise ValueError(
+                f"on {self.url} an object takes about one write per second: pulse_s "
+                f"({self.pulse_s}) and lease_s / 4 ({self.lease_s / 4}, the claims' renewal "
+                "period) must be >= 1"
+            )
         if self.endpoint is not None and not (self.url or "").startswith("s3://"):
             raise ValueError(
                 f"endpoint {self.endpoint!r} is for an s3:// url, got url {self.url!r}"

@@ -206,7 +206,7 @@ def run_sampler(
                 if e.error is None:
                     versions.append((epoch, e.version))
             pulse = {"version": sampler.version, "epoch": epoch, "pid": os.getpid()}
-            if now - last_pulse >= 1.0:
+            if now - last_pulse >= xcfg.pulse_s:
                 last_pulse = now
                 ex.put_pulse(f"samplers/{sampler_id}", {**pulse, "time": time.time()})
             got = _open_item(ex, sampler.version, sampler_id)

@@ -144,7 +144,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     ex.check_conditional_writes()
     # Beat from the start: samplers see a trainer alive through the restore and the warm start
     # (and a relaunched run's new beat replaces the last one's `done`).
-    pulse = _Pulse(ex, cfg.exchange.lease_s, steps=cfg.train.steps)
+    pulse = _Pulse(ex, cfg.exchange.lease_s, steps=cfg.train.steps, period=cfg.exchange.pulse_s)
     pulse.start()
     try:
         return _run(cfg, ex, pulse, log_fn)
@@ -344,16 +344,16 @@ def _run(cfg: Config, ex: Exchange, pulse: _Pulse, log_fn) -> dict:
 
 
 class _Pulse(threading.Thread):
-    """The trainer's heartbeat, from a side thread every second (so a long restore, compile or
+    """The trainer's heartbeat, from a side thread every `period` s (so a long restore, compile or
     update never looks like a dead trainer), and its view of the samplers': a sampler is alive
     while its pulse changes within `lease_s` of this process's clock.
 
     Until `follow` names the incarnation it beats `starting` (no epoch: samplers wait); its last
     beat says `done` and the step reached, of a run of `steps` steps."""
 
-    def __init__(self, exchange: Exchange, lease_s: float, *, steps: int):
+    def __init__(self, exchange: Exchange, lease_s: float, *, steps: int, period: float = 1.0):
         super().__init__(daemon=True)
-        self.ex, self.lease_s, self.steps = exchange, lease_s, steps
+        self.ex, self.lease_s, self.steps, self.period = exchange, lease_s, steps, period
         self.epoch: int | None = None
         self.step = self.version = 0
         self._stop_event = threading.Event()
@@ -373,7 +373,7 @@ class _Pulse(threading.Thread):
             # The exchange briefly unreachable: the next beat tries again.
             with contextlib.suppress(ValueError, OSError, RuntimeError):
                 self._beat(False)
-            if self._stop_event.wait(1.0):
+            if self._stop_event.wait(self.period):
                 return
 
     def finish(self, done: bool) -> None:

@@ -340,8 +340,10 @@ def _final_state(run_dir, step):
 
 
 def _rows(run_dir):
-    """The metrics rows without the wall-clock fields (timings differ from run to run)."""
-    drop = ("timing_s/", "perf/", "wall_time_s")
+    """The metrics rows without the wall-clock fields (timings differ from run to run) and the
+    patch sizes: each run publishes under its own random run id, which PULSESync's compressed
+    header carries, so two runs' patches may differ by a byte (`sync/changed` stays)."""
+    drop = ("timing_s/", "perf/", "wall_time_s", "sync/payload_bytes")
     return [{k: v for k, v in r.items() if not k.startswith(drop)} for r in read_metrics(run_dir)]
 
 

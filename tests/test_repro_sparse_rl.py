@@ -15,8 +15,9 @@ from sparserl_jax.train import train
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-# Keys that differ between two runs of the same computation: clocks and speeds.
-_CLOCKS = ("timing_s/", "perf/", "wall_time_s")
+# Keys that differ between two runs of the same computation: clocks and speeds, and the patch
+# sizes (each run's own random run id is in PULSESync's compressed header: a byte or two apart).
+_CLOCKS = ("timing_s/", "perf/", "wall_time_s", "sync/payload_bytes")
 
 
 def _numbers(rows):

@@ -1,4 +1,5 @@
-"""Learner-step throughput on a synthetic rollout batch (used by `tools/bench_learner.py`).
+"""Learner-step throughput on a synthetic rollout batch (used by `tools/bench_learner.py`), and
+the time a batch's learner work takes with pi_old recomputed or taken from the first pass.
 
 The model is a random-init one with a preset's architecture (no weights are read): a
 `--preset` name of the tool, a `sparserl_jax.models.MODEL_PRESETS` name, or a `configs/` name.
@@ -106,6 +107,97 @@ def benchmark_learner(
         "grad_norm": float(metrics["grad_norm"]),
         # The same batch is reused for every step: late steps may have every token clipped.
         "clip_fraction": float(metrics["clip_fraction"]),
+        "device": jax.devices()[0].device_kind,
+        "num_devices": 1 if mesh is None else mesh.size,
+    }
+
+
+def _batch_work(learner: Learner, state, batch: RLBatch, passes: int, *, first_pass: bool):
+    """One rollout batch's learner work as `Learner.train_on_batch` does it: pi_old (a
+    separate recompute, or from the first pass) and `passes` updates, each pass's metrics read
+    back to the host (the loop's reuse decision)."""
+    k0 = 1
+    if first_pass:
+        state, metrics, old = learner.first_pass(state, batch)
+        jax.device_get(metrics)
+        k0 = 2
+    else:
+        old = learner.logprobs(state.params, batch.tokens_bt)
+    batch = batch._replace(old_logp_bt=old)
+    for k in range(k0, passes + 1):
+        state, metrics = learner.step(state, batch, k)
+        jax.device_get(metrics)
+    jax.block_until_ready(state.params)
+    return state
+
+
+def benchmark_old_logp(
+    model: nnx.Module,
+    config: LearnerConfig,
+    batch: RLBatch,
+    *,
+    passes: tuple[int, ...] = (1, 2, 4),
+    batches: int = 5,
+    mesh: Mesh | None = None,
+) -> dict:
+    """Time a rollout batch's learner work, pi_old plus K update passes (DGG reuse), with pi_old
+    from a separate teacher-forced recompute and from the first pass's forward, for each K in
+    `passes`: one learner (same hyperparameters and compiled programs), the two ways
+    interleaved batch by batch, `batches` timed batches each after a compile batch.
+
+    Returns per K the median (and the minimum) batch time of each way (ms), the time saved and
+    its fraction, and the separate recompute's own median time (`old_logp_ms`, timed alone).
+    """
+    learner = Learner(model, config, mesh=mesh)
+    if learner.first_pass_fallback is not None:
+        raise ValueError(f"pi_old cannot come from the first pass: {learner.first_pass_fallback}")
+    state = learner.init(model)
+    old = learner.logprobs(state.params, batch.tokens_bt)
+    batch = batch._replace(sampler_logp_bt=old + batch.sampler_logp_bt)
+
+    start = time.perf_counter()
+    for first in (False, True):  # compile: every program of both ways
+        state = _batch_work(learner, state, batch, max(2, max(passes)), first_pass=first)
+    compile_s = time.perf_counter() - start
+
+    old_ms = []
+    for _ in range(batches):
+        start = time.perf_counter()
+        jax.block_until_ready(learner.logprobs(state.params, batch.tokens_bt))
+        old_ms.append(1e3 * (time.perf_counter() - start))
+    rows = []
+    for k in passes:
+        ms = {False: [], True: []}
+        for _ in range(batches):
+            for first in (False, True):
+                start = time.perf_counter()
+                state = _batch_work(learner, state, batch, k, first_pass=first)
+                ms[first].append(1e3 * (time.perf_counter() - start))
+        recompute, first = float(np.median(ms[False])), float(np.median(ms[True]))
+        rows.append(
+            {
+                "passes": k,
+                "recompute_ms": recompute,
+                "first_pass_ms": first,
+                "saved_ms": recompute - first,
+                "saved_fraction": (recompute - first) / recompute,
+                # The fastest batch of each way: what a machine shared with other work (whose
+                # load only ever adds time) gives most reliably.
+                "recompute_ms_min": min(ms[False]),
+                "first_pass_ms_min": min(ms[True]),
+                "recompute_ms_all": ms[False],
+                "first_pass_ms_all": ms[True],
+            }
+        )
+    b, t = batch.tokens_bt.shape
+    return {
+        "old_logp": rows,
+        "old_logp_ms": float(np.median(old_ms)),
+        "compile_s": compile_s,
+        "batches": batches,
+        "batch": b,
+        "seq_len": t,
+        "num_params": int(sum(x.size for x in jax.tree.leaves(state.params))),
         "device": jax.devices()[0].device_kind,
         "num_devices": 1 if mesh is None else mesh.size,
     }

@@ -8,6 +8,15 @@ A randomly initialised model with the preset's architecture (no weights are read
 learner step (Sparse-RL correction, PPO-clip, DGG, AdamW) on random tokens
 (`benchmarks.learner`). The last line printed is one JSON object:
 {"tokens_per_s": ..., "step_ms": ..., ...}.
+
+With `--old-logp-passes 1 2 4` it times instead a rollout batch's whole learner work, pi_old
+plus K update passes for each K, with pi_old from a separate recompute and from the first
+pass's forward, side by side with the same learner (`benchmarks.learner.benchmark_old_logp`):
+
+    python tools/bench_learner.py --preset small --batch 16 --seq-len 256 --old-logp-passes 1 2 4
+
+and the JSON line is {"old_logp": [{"passes": K, "recompute_ms": ..., "first_pass_ms": ...,
+"saved_ms": ..., "saved_fraction": ...}, ...], "old_logp_ms": ..., ...}.
 """
 
 from __future__ import annotations
@@ -17,7 +26,13 @@ import json
 
 from flax import nnx
 
-from benchmarks.learner import PRESETS, benchmark_learner, model_config, synthetic_batch
+from benchmarks.learner import (
+    PRESETS,
+    benchmark_learner,
+    benchmark_old_logp,
+    model_config,
+    synthetic_batch,
+)
 from sparserl_jax.models import Transformer
 from sparserl_jax.parallel import MeshConfig, make_mesh
 from sparserl_jax.rl.config import LearnerConfig, OptimizerConfig
@@ -43,6 +58,14 @@ def main() -> None:
     p.add_argument("--tensor", type=int, default=1)
     p.add_argument("--no-mesh", action="store_true", help="run on the default device only")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--old-logp-passes",
+        type=int,
+        nargs="+",
+        metavar="K",
+        help="time pi_old + K passes per batch, recomputed vs from the first pass (--steps "
+        "timed batches per K and way)",
+    )
     args = p.parse_args()
 
     cfg = model_config(args.preset, args.dtype, args.remat)
@@ -62,6 +85,24 @@ def main() -> None:
         group_size=args.group_size,
         seed=args.seed,
     )
+    if args.old_logp_passes:
+        result = benchmark_old_logp(
+            model,
+            learner_cfg,
+            batch,
+            passes=tuple(args.old_logp_passes),
+            batches=args.steps,
+            mesh=mesh,
+        )
+        result.update(preset=args.preset, dtype=args.dtype, micro_batches=args.micro_batches)
+        for row in result["old_logp"]:
+            print(
+                f"K={row['passes']}: recompute {row['recompute_ms']:.1f} ms, first pass "
+                f"{row['first_pass_ms']:.1f} ms per batch ({100 * row['saved_fraction']:.1f}% "
+                "saved)"
+            )
+        print(json.dumps(result))
+        return
     result = benchmark_learner(model, learner_cfg, batch, steps=args.steps, mesh=mesh)
     result.update(preset=args.preset, dtype=args.dtype, micro_batches=args.micro_batches)
     print(

@@ -26,6 +26,7 @@ from sparserl_jax.rl.correction import (
     CorrectionMetrics,
     SparseRLCorrection,
     SparseRLCorrectionConfig,
+    correction_rows,
     sparse_rl_weights,
 )
 from sparserl_jax.rl.gating import (
@@ -109,6 +110,7 @@ __all__ = [
     "cispo_loss",
     "compute_advantages",
     "compute_policy_loss",
+    "correction_rows",
     "dapo_advantages",
     "dapo_overlong_penalty",
     "divergence_rejection_mask",

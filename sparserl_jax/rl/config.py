@@ -215,6 +215,11 @@ class LearnerConfig:
     in the loss and in pi_old / pi_ref: `[micro-batch, chunk, V]` fp32 logits at a time instead
     of `[micro-batch, T, V]`, recomputed in the backward pass (a T - 1 not divisible by it pads
     the last chunk). Results do not depend on it beyond float rounding.
+    `old_logp_from_first_pass`: when pi_old is missing from a batch, take it from the first
+    pass's forward (stop-gradient) instead of a separate teacher-forced recompute, saving one
+    forward per batch (`rl.objective`; equal to the recompute to float rounding). Where a
+    configuration cannot (`rl.objective.first_pass_fallback`: a KL or entropy term next to
+    batch-normalised weights over several micro-batches) the learner recomputes.
     """
 
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
@@ -225,6 +230,7 @@ class LearnerConfig:
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     num_micro_batches: int = 1
     logits_chunk_size: int = LOGITS_CHUNK_SIZE
+    old_logp_from_first_pass: bool = True
 
     def __post_init__(self):
         if self.num_micro_batches < 1:

@@ -198,11 +198,25 @@ class CorrectionMetrics(NamedTuple):
 
 class SparseRLCorrection(NamedTuple):
     """`loss_mask_bt` is the corrected mask `m'`; `weights_bt` the stop-gradient importance
-    weights (0 at padding) to multiply into the per-token policy loss."""
+    weights (0 at padding) to multiply into the per-token policy loss; `weight_scale` the
+    batch statistic they were divided by (`batch_normalize`: the mean weight over the valid
+    tokens, 1.0 when that is not positive; 1.0 without `batch_normalize`)."""
 
     loss_mask_bt: Float[Array, "B T"]
     weights_bt: Float[Array, "B T"]
     metrics: CorrectionMetrics
+    weight_scale: Float[Array, ""]
+
+
+class _Rows(NamedTuple):
+    # What every row computes from its own tokens (see `correction_rows`).
+    m_bt: Float[Array, "B T"]
+    valid_bt: Bool[Array, "B T"]
+    log_rho_bt: Float[Array, "B T"]
+    rho_bt: Float[Array, "B T"]
+    keep_bt: Float[Array, "B T"]
+    vetoed_b: Bool[Array, " B"]
+    w_bt: Float[Array, "B T"]  # before batch normalisation, not masked
 
 
 def _level_log_ratio(
@@ -244,25 +258,7 @@ def masked_percentile(
     return jnp.where(n > 0, value, 1.0)
 
 
-def sparse_rl_weights(
-    old_logp_bt: Float[Array, "B T"],
-    sampler_logp_bt: Float[Array, "B T"],
-    mask_bt: Bool[Array, "B T"] | Float[Array, "B T"],
-    config: SparseRLCorrectionConfig | None = None,
-) -> SparseRLCorrection:
-    """The Sparse-RL rejection mask and importance weights for one batch (see module docstring).
-
-    Args:
-      old_logp_bt: log pi_old of each sampled token (dense teacher forcing, old weights).
-      sampler_logp_bt: log mu of each sampled token, recorded by the (sparse) sampler.
-      mask_bt: response tokens that enter the loss (padding and prompt False).
-      config: which parts are on; `None` means the Sparse-RL defaults.
-
-    The batch mean used by `batch_normalize` runs over *this* whole batch: call it on the full
-    rollout batch, before splitting into micro-batches. Sequences with no valid token (empty
-    completions) are never vetoed and count in no fraction's denominator.
-    """
-    cfg = config or SparseRLCorrectionConfig()
+def _rows(old_logp_bt, sampler_logp_bt, mask_bt, cfg: SparseRLCorrectionConfig) -> _Rows:
     m_bt = mask_bt.astype(jnp.float32)
     valid_bt = m_bt > 0
     # Padding may hold anything (even -inf); zero it so it never reaches exp or a sum.
@@ -292,7 +288,6 @@ def sparse_rl_weights(
             log_ratio_bound=cfg.log_ratio_bound,
         )
 
-    n_valid = jnp.sum(m_bt)
     if cfg.reweight and cfg.reweight_mode == "icepop":
         level_rho_bt = jnp.exp(
             _level_log_ratio(raw_bt, m_bt, cfg.reweight_level, cfg.log_ratio_bound)
@@ -306,10 +301,57 @@ def sparse_rl_weights(
         )
     else:
         w_bt = jnp.ones_like(m_bt)
+    return _Rows(m_bt, valid_bt, log_rho_bt, rho_bt, keep_bt, vetoed_b, w_bt)
+
+
+def correction_rows(
+    old_logp_bt: Float[Array, "B T"],
+    sampler_logp_bt: Float[Array, "B T"],
+    mask_bt: Bool[Array, "B T"] | Float[Array, "B T"],
+    config: SparseRLCorrectionConfig | None = None,
+) -> tuple[Float[Array, "B T"], Float[Array, "B T"]]:
+    """The row-local part of `sparse_rl_weights`: `(loss_mask_bt, weights_bt)` with the weights
+    *before* batch normalisation (0 at padding), both stop-gradient.
+
+    Every entry depends only on its own row (veto, rejection at every level and the weights
+    are per token or per sequence), so micro-batches of whole rows compute it exactly, each on
+    its own. `sparse_rl_weights(...)` on the whole batch has the same `loss_mask_bt` and
+    `weights_bt = these weights / weight_scale`.
+    """
+    r = _rows(old_logp_bt, sampler_logp_bt, mask_bt, config or SparseRLCorrectionConfig())
+    return jax.lax.stop_gradient(r.keep_bt), jax.lax.stop_gradient(r.w_bt * r.m_bt)
+
+
+def sparse_rl_weights(
+    old_logp_bt: Float[Array, "B T"],
+    sampler_logp_bt: Float[Array, "B T"],
+    mask_bt: Bool[Array, "B T"] | Float[Array, "B T"],
+    config: SparseRLCorrectionConfig | None = None,
+) -> SparseRLCorrection:
+    """The Sparse-RL rejection mask and importance weights for one batch (see module docstring).
+
+    Args:
+      old_logp_bt: log pi_old of each sampled token (dense teacher forcing, old weights).
+      sampler_logp_bt: log mu of each sampled token, recorded by the (sparse) sampler.
+      mask_bt: response tokens that enter the loss (padding and prompt False).
+      config: which parts are on; `None` means the Sparse-RL defaults.
+
+    The batch mean used by `batch_normalize` runs over *this* whole batch: call it on the full
+    rollout batch, before splitting into micro-batches (or split it yourself: `correction_rows`
+    per micro-batch, then divide by this function's `weight_scale`). Sequences with no valid
+    token (empty completions) are never vetoed and count in no fraction's denominator.
+    """
+    cfg = config or SparseRLCorrectionConfig()
+    m_bt, valid_bt, log_rho_bt, rho_bt, keep_bt, vetoed_b, w_bt = _rows(
+        old_logp_bt, sampler_logp_bt, mask_bt, cfg
+    )
+    n_valid = jnp.sum(m_bt)
+    scale = jnp.ones((), jnp.float32)
     if cfg.batch_normalize:
         # Mean over the ORIGINAL mask, so rejected tokens still count (authors' code).
         mean_w = jnp.sum(w_bt * m_bt) / jnp.maximum(n_valid, 1.0)
-        w_bt = w_bt / jnp.where(mean_w > 0, mean_w, 1.0)
+        scale = jnp.where(mean_w > 0, mean_w, 1.0)
+        w_bt = w_bt / scale
     w_bt = jax.lax.stop_gradient(w_bt * m_bt)
     keep_bt = jax.lax.stop_gradient(keep_bt)
 
@@ -333,4 +375,6 @@ def sparse_rl_weights(
             has_tokens, rho_sum**2 / (safe_n * jnp.maximum(jnp.sum(rho_bt**2 * m_bt), 1e-30)), 1.0
         ),
     )
-    return SparseRLCorrection(loss_mask_bt=keep_bt, weights_bt=w_bt, metrics=metrics)
+    return SparseRLCorrection(
+        loss_mask_bt=keep_bt, weights_bt=w_bt, metrics=metrics, weight_scale=scale
+    )

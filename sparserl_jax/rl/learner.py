@@ -4,7 +4,9 @@ One `jax.jit` per step, with explicit `NamedSharding`s on a (data, fsdp, tensor)
 learner state donated. Inside it:
 
 1. the Sparse-RL correction and the loss denominators are computed on the *whole* batch
-   (they depend only on pi_old, mu and the masks), so gradient accumulation is exact;
+   (they depend only on pi_old, mu and the masks), so gradient accumulation is exact (on a
+   batch's first pass pi_old may come from the step's own forward instead: `rl.objective`
+   says how the batch statistics are then applied after the micro-batches);
 2. the batch is split into micro-batches and gradients are accumulated with `lax.scan`;
 3. the lm_head gradient energy is read before clipping (tied embeddings: only the output
    projection's part, by differentiating the head's use of the shared matrix separately);
@@ -40,18 +42,25 @@ from sparserl_jax.rl.gating import (
     dynamic_gradient_gating,
     lm_head_grad_energy,
 )
-from sparserl_jax.rl.losses import LOG_RATIO_BOUND, aggregation_weights, kl_penalty
-from sparserl_jax.rl.policy_losses import compute_policy_loss
+from sparserl_jax.rl.objective import (
+    METRICS,
+    first_pass_fallback,
+    first_pass_scales,
+    micro_inputs,
+    scale_sums,
+)
+from sparserl_jax.rl.objective import micro_loss as _micro_loss
 from sparserl_jax.rollout.logprobs import (
-    head_logprobs,
+    join_micro_batches,
     split_micro_batches,
     teacher_forced_logprobs,
 )
 
 
 class RLBatch(NamedTuple):
-    """One rollout batch. `old_logp_bt` (pi_old) must be filled before a step: see
-    `Learner.logprobs`. `ref_logp_bt` is needed only when the KL coefficient is > 0."""
+    """One rollout batch. `old_logp_bt` (pi_old) must be filled before `Learner.step` (see
+    `Learner.logprobs`); `Learner.first_pass` and `train_on_batch` can take it from the first
+    pass's forward. `ref_logp_bt` is needed only when the KL coefficient is > 0."""
 
     tokens_bt: Int[Array, "B T"]
     mask_bt: Bool[Array, "B T"]
@@ -76,58 +85,6 @@ def _with_embedding(params: dict, embedding_vd: jax.Array) -> dict:
     return {**params, "embed": {**params["embed"], "embedding": embedding_vd}}
 
 
-def _micro_loss(params, head_w, mb: dict, *, graphdef, config: LearnerConfig, tied: bool):
-    loss_cfg = config.loss
-    model = nnx.merge(graphdef, params)
-    h_btd = model.hidden_states(mb["tokens"])
-    # Tied: the head reads its own copy of the shared matrix so that its gradient (the output
-    # projection's part, which DGG monitors) comes out separately; the learner adds it back.
-    # The head runs chunk by chunk inside `head_logprobs`: no [B, T, V] logits, either pass.
-    logp_bt, ent_bt = head_logprobs(
-        model.cfg,
-        head_w if tied else model.head_weight(),
-        h_btd,
-        mb["tokens"],
-        temperature=loss_cfg.temperature,
-        chunk_size=config.logits_chunk_size,
-        entropy=True,
-        entropy_grad=loss_cfg.entropy_coef > 0,
-    )
-    old_bt = mb["old_logp"]
-    pg_bt, clip_bt = compute_policy_loss(
-        logp_bt,
-        old_bt,
-        mb["adv"],
-        mb.get("mask"),
-        loss=loss_cfg.policy_loss,
-        eps_low=loss_cfg.eps_low,
-        eps_high=loss_cfg.eps_high,
-        dual_clip=loss_cfg.dual_clip,
-    )
-    pg_loss = jnp.sum(mb["pg_coef"] * pg_bt)
-    loss = pg_loss
-    tok_w = mb["tok_w"]
-    kl = jnp.zeros((), jnp.float32)
-    if "ref_logp" in mb:
-        kl_bt = kl_penalty(logp_bt, mb["ref_logp"], estimator=loss_cfg.kl_estimator)
-        loss = loss + loss_cfg.kl_coef * jnp.sum(mb["reg_coef"] * kl_bt)
-        kl = jnp.sum(tok_w * kl_bt)
-    if loss_cfg.entropy_coef > 0:
-        loss = loss - loss_cfg.entropy_coef * jnp.sum(mb["reg_coef"] * ent_bt)
-    ratio_bt = jnp.exp(jnp.clip(logp_bt - old_bt, -LOG_RATIO_BOUND, LOG_RATIO_BOUND))
-    aux = {
-        "loss": loss,
-        "pg_loss": pg_loss,
-        "kl": kl,
-        "entropy": jnp.sum(tok_w * jax.lax.stop_gradient(ent_bt)),
-        "clip_fraction": jnp.sum(tok_w * clip_bt),
-        # k3 estimate of KL(pi_old || pi_theta): how far this pass has moved from pi_old.
-        "approx_kl": jnp.sum(tok_w * kl_penalty(old_bt, logp_bt, k3_clamp=None)),
-        "ratio_max": jnp.max(jnp.where(tok_w > 0, ratio_bt, 0.0)),
-    }
-    return loss, jax.lax.stop_gradient(aux)
-
-
 def train_step(
     state: LearnerState,
     batch: RLBatch,
@@ -140,33 +97,19 @@ def train_step(
     tied: bool,
     micro_sharding: NamedSharding | None = None,
     param_shardings: Any = None,
-) -> tuple[LearnerState, dict[str, jax.Array]]:
+    first_pass: bool = False,
+) -> tuple[LearnerState, dict[str, jax.Array]] | tuple[LearnerState, dict, jax.Array]:
     """One pure learner update on `batch` (`pass_index`: 1-based reuse pass of this batch).
 
     `micro_sharding` (the `[B]` batch sharding) and `param_shardings` pin the layouts of the
     micro-batches and of the gradient accumulator when running on a mesh.
+
+    `first_pass=True`: `batch.old_logp_bt` is ignored; pi_old is taken from this update's own
+    forward at `state.params` (`rl.objective`) and returned as a third output. Callers must
+    check `objective.first_pass_fallback(config)` is None first.
     """
-    lcfg, m = config.loss, config.num_micro_batches
-    corr = sparse_rl_weights(
-        batch.old_logp_bt, batch.sampler_logp_bt, batch.mask_bt, config.correction
-    )
-    agg_bt, denom = aggregation_weights(
-        corr.loss_mask_bt, mode=lcfg.aggregation, max_len=lcfg.max_response_len
-    )
-    kept_bt = corr.loss_mask_bt
-    per_token = {
-        "tokens": batch.tokens_bt,
-        "old_logp": batch.old_logp_bt.astype(jnp.float32),
-        "adv": jnp.broadcast_to(batch.advantages_b.astype(jnp.float32)[:, None], kept_bt.shape),
-        "pg_coef": agg_bt * corr.weights_bt / denom,
-        "reg_coef": agg_bt / denom,
-        "tok_w": kept_bt / jnp.maximum(jnp.sum(kept_bt), 1.0),
-    }
-    masks = {"gspo": kept_bt, "gspo_token": kept_bt, "reinforce": batch.mask_bt.astype(jnp.float32)}
-    if lcfg.policy_loss in masks:  # reinforce (bypass_pg_is): its weight spans unrejected tokens
-        per_token["mask"] = masks[lcfg.policy_loss]
-    if batch.ref_logp_bt is not None:
-        per_token["ref_logp"] = batch.ref_logp_bt.astype(jnp.float32)
+    m = config.num_micro_batches
+    per_token, corr = micro_inputs(batch, config, first_pass=first_pass)
     micro = jax.tree.map(lambda x: split_micro_batches(x, m), per_token)
     if micro_sharding is not None:
         micro = jax.tree.map(
@@ -191,24 +134,31 @@ def train_step(
         head_grad = head_grad + hg if tied else head_grad
         ratio_max = jnp.maximum(sums["ratio_max"], aux["ratio_max"])
         sums = {k: sums[k] + aux[k] for k in sums} | {"ratio_max": ratio_max}
-        return (grads, head_grad, sums), None
+        return (grads, head_grad, sums), aux.get("old_logp")
 
     zeros = jax.tree.map(jnp.zeros_like, params)
     if param_shardings is not None:
         # The accumulator is laid out like the parameters (never replicated).
         zeros = jax.lax.with_sharding_constraint(zeros, param_shardings)
-    metric_names = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "ratio_max")
-    sums0 = {k: jnp.zeros((), jnp.float32) for k in metric_names}
+    sums0 = {k: jnp.zeros((), jnp.float32) for k in METRICS}
     head0 = jnp.zeros_like(head_w) if tied else jnp.zeros((), jnp.float32)
     if tied and param_shardings is not None:
         head0 = jax.lax.with_sharding_constraint(head0, param_shardings["embed"]["embedding"])
     if m == 1:
         # No loop for a single micro-batch: a length-1 scan costs seconds of XLA compile time.
-        (grads, head_grad, sums), _ = accumulate(
+        (grads, head_grad, sums), old_bt = accumulate(
             (zeros, head0, sums0), jax.tree.map(lambda x: x[0], micro)
         )
     else:
-        (grads, head_grad, sums), _ = jax.lax.scan(accumulate, (zeros, head0, sums0), micro)
+        (grads, head_grad, sums), old_mbt = jax.lax.scan(accumulate, (zeros, head0, sums0), micro)
+        old_bt = None if old_mbt is None else join_micro_batches(old_mbt)
+    if first_pass:
+        corr = sparse_rl_weights(old_bt, batch.sampler_logp_bt, batch.mask_bt, config.correction)
+        if m > 1:  # the batch statistics, applied once to the unnormalised sums
+            scale, tok_scale = first_pass_scales(corr, config)
+            grads = jax.tree.map(lambda g: g * scale, grads)
+            head_grad = head_grad * scale
+            sums = scale_sums(sums, scale, tok_scale)
 
     # Under jit the sums below run over the sharded gradients as a whole: every device sees the
     # same, globally reduced energy and norm, so all take the same gate / skip decision.
@@ -258,6 +208,8 @@ def train_step(
         "dgg/stop_reuse": decision.stop_reuse | ~finite,
         **{f"correction/{k}": v for k, v in corr.metrics._asdict().items()},
     }
+    if first_pass:
+        return new_state, metrics, old_bt
     return new_state, metrics
 
 
@@ -273,8 +225,9 @@ class Learner:
 
         learner = Learner(model, LearnerConfig(), mesh=mesh)
         state = learner.init(model)
-        batch = batch._replace(old_logp_bt=learner.logprobs(state.params, batch.tokens_bt))
-        state, metrics = learner.step(state, batch, pass_index=1)   # or learner.train_on_batch
+        state, history = learner.train_on_batch(state, batch)  # pi_old from pass 1's forward
+        # or pass by pass:  state, metrics, old = learner.first_pass(state, batch)
+        #                   state, metrics = learner.step(state, batch._replace(old_logp_bt=old), 2)
 
     With `mesh` (axes data / fsdp / tensor) parameters and optimizer moments are laid out by
     `sparserl_jax.parallel`'s logical-axis rules and the batch is split over data x fsdp; with
@@ -297,10 +250,11 @@ class Learner:
                 "build the model with param_dtype='float32' (compute dtype may be bfloat16)"
             )
         self.tied = "lm_head" not in params
+        self.compute_dtype = jnp.dtype(model.cfg.compute_dtype)  # of the forward passes
         self.vocab_size = params["embed"]["embedding"].shape[0]
         self.tx = config.optimizer.build()
         self.gate = dynamic_gradient_gating(config.gating)
-        self._steps: dict[bool, Any] = {}
+        self._steps: dict[tuple[bool, bool], Any] = {}
         if mesh is None:
             self.param_shardings = self.state_shardings = self._batch_sharding = None
             self._rep = None
@@ -376,8 +330,9 @@ class Learner:
                 f"shards ({shards})"
             )
 
-    def _compiled_step(self, has_ref: bool):
-        if has_ref not in self._steps:
+    def _compiled_step(self, has_ref: bool, first_pass: bool = False):
+        key = (has_ref, first_pass)
+        if key not in self._steps:
             micro = None if self.mesh is None else self._batch_sharding(self.mesh, 1)
             fn = functools.partial(
                 train_step,
@@ -388,22 +343,36 @@ class Learner:
                 tied=self.tied,
                 micro_sharding=micro,
                 param_shardings=self.param_shardings,
+                first_pass=first_pass,
             )
             fn = with_attention_mesh(self.mesh, fn)  # splash attention: per device on the mesh
             if self.mesh is None:
-                self._steps[has_ref] = jax.jit(fn, donate_argnums=0)
+                self._steps[key] = jax.jit(fn, donate_argnums=0)
             else:
                 bs = functools.partial(self._batch_sharding, self.mesh)
+                old = None if first_pass else bs(2)
                 batch_shardings = RLBatch(
-                    bs(2), bs(2), bs(1), bs(2), bs(2), bs(2) if has_ref else None
+                    bs(2), bs(2), bs(1), bs(2), old, bs(2) if has_ref else None
                 )
-                self._steps[has_ref] = jax.jit(
+                outs = (self.state_shardings, self._rep) + ((bs(2),) if first_pass else ())
+                self._steps[key] = jax.jit(
                     fn,
                     in_shardings=(self.state_shardings, batch_shardings, self._rep),
-                    out_shardings=(self.state_shardings, self._rep),
+                    out_shardings=outs,
                     donate_argnums=0,
                 )
-        return self._steps[has_ref]
+        return self._steps[key]
+
+    def _prepare(self, batch: RLBatch) -> RLBatch:
+        if self.config.loss.kl_coef > 0 and batch.ref_logp_bt is None:
+            raise ValueError(
+                f"kl_coef={self.config.loss.kl_coef} > 0 needs batch.ref_logp_bt (reference "
+                "logprobs); compute them with learner.logprobs(ref_params, tokens)"
+            )
+        if self.config.loss.kl_coef == 0:
+            batch = batch._replace(ref_logp_bt=None)
+        self._check_batch(batch.tokens_bt)
+        return RLBatch(*(self._shard_batch(x) for x in batch))
 
     def step(
         self, state: LearnerState, batch: RLBatch, pass_index: int = 1
@@ -413,32 +382,54 @@ class Learner:
         if batch.old_logp_bt is None and self.config.correction.bypass:
             batch = batch._replace(old_logp_bt=batch.sampler_logp_bt)
         if batch.old_logp_bt is None:
-            raise ValueError("batch.old_logp_bt is None: fill it with learner.logprobs first")
-        if self.config.loss.kl_coef > 0 and batch.ref_logp_bt is None:
             raise ValueError(
-                f"kl_coef={self.config.loss.kl_coef} > 0 needs batch.ref_logp_bt (reference "
-                "logprobs); compute them with learner.logprobs(ref_params, tokens)"
+                "batch.old_logp_bt is None: fill it with learner.logprobs first, or run the "
+                "batch's first pass with learner.first_pass (pi_old from its forward)"
             )
-        if self.config.loss.kl_coef == 0:
-            batch = batch._replace(ref_logp_bt=None)
-        self._check_batch(batch.tokens_bt)
-        batch = RLBatch(*(self._shard_batch(x) for x in batch))
+        batch = self._prepare(batch)
         step = self._compiled_step(batch.ref_logp_bt is not None)
         return step(state, batch, jnp.asarray(pass_index, jnp.int32))
+
+    @property
+    def first_pass_fallback(self) -> str | None:
+        """Why this learner recomputes pi_old instead of taking it from the first pass
+        (`rl.objective.first_pass_fallback`), or None when `first_pass` can run."""
+        return first_pass_fallback(self.config)
+
+    def first_pass(
+        self, state: LearnerState, batch: RLBatch
+    ) -> tuple[LearnerState, dict[str, jax.Array], Float[Array, "B T"]]:
+        """Pass 1 on a fresh batch, with pi_old from its own forward at `state.params`:
+        `(state, metrics, old_logp_bt)`. `batch.old_logp_bt` is ignored; the returned pi_old
+        (put it in the batch for passes 2..K) equals `learner.logprobs(state.params, tokens)`
+        to float rounding (fp32: ~1e-6; see `rl.objective`), and the update equals
+        `step(state, batch with that pi_old, 1)` to float rounding. Only valid when pi_old is
+        defined by the weights the state holds; refused when `first_pass_fallback` says so."""
+        if self.first_pass_fallback is not None:
+            raise ValueError(f"pi_old cannot come from the first pass: {self.first_pass_fallback}")
+        batch = self._prepare(batch._replace(old_logp_bt=None))
+        step = self._compiled_step(batch.ref_logp_bt is not None, first_pass=True)
+        return step(state, batch, jnp.asarray(1, jnp.int32))
 
     def train_on_batch(
         self, state: LearnerState, batch: RLBatch
     ) -> tuple[LearnerState, list[dict[str, np.ndarray]]]:
         """Reuse one rollout batch for up to K passes, stopping when DGG fires (that pass's
-        update is discarded) or a step is not finite. pi_old is computed first if missing (in
-        bypass mode it is the sampler's logprobs instead).
+        update is discarded) or a step is not finite. A missing pi_old is taken from the first
+        pass's forward at `state.params` (`first_pass`), or, where `first_pass_fallback` says
+        why not, recomputed first with `logprobs`; in bypass mode it is the sampler's logprobs.
         Returns the per-pass metrics; `len(result)` is the number of passes run.
         """
-        if batch.old_logp_bt is None and not self.config.correction.bypass:
+        first = batch.old_logp_bt is None and self.first_pass_fallback is None
+        if batch.old_logp_bt is None and not first and not self.config.correction.bypass:
             batch = batch._replace(old_logp_bt=self.logprobs(state.params, batch.tokens_bt))
         history = []
         for k in range(1, self.config.gating.max_passes + 1):
-            state, metrics = self.step(state, batch, k)
+            if k == 1 and first:
+                state, metrics, old = self.first_pass(state, batch)
+                batch = batch._replace(old_logp_bt=old)
+            else:
+                state, metrics = self.step(state, batch, k)
             metrics = jax.tree.map(np.asarray, jax.device_get(metrics))
             history.append(metrics)
             if bool(metrics["dgg/stop_reuse"]):

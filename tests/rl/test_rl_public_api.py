@@ -99,3 +99,27 @@ def test_bench_learner_prints_json_last():
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["tokens_per_s"] > 0 and np.isfinite(result["loss"])
     assert result["batch"] == 8 and result["seq_len"] == 16
+
+
+@pytest.mark.slow
+def test_bench_learner_old_logp_comparison_json():
+    """`--old-logp-passes`: per K, the batch time with pi_old recomputed and from the first
+    pass, side by side."""
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "tools/bench_learner.py", "--preset", "tiny", "--batch", "8"]
+        + ["--seq-len", "16", "--prompt-len", "4", "--group-size", "4", "--steps", "1"]
+        + ["--no-mesh", "--old-logp-passes", "1", "2"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [r["passes"] for r in result["old_logp"]] == [1, 2]
+    for r in result["old_logp"]:
+        assert r["recompute_ms"] > 0 and r["first_pass_ms"] > 0
+        assert r["saved_ms"] == pytest.approx(r["recompute_ms"] - r["first_pass_ms"])
+    assert result["old_logp_ms"] > 0 and result["batch"] == 8 and result["seq_len"] == 16

@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool
 from pallas_kernels import compact_pages
 from sparserl_jax.kvcache import allocator
 from sparserl_jax.kvcache.config import CompressionConfig
-from sparserl_jax.kvcache.paged import PagedKVCache, cdiv_arr
+from sparserl_jax.kvcache.paged import PagedKVCache, cdiv_arr, layer_pages
 from sparserl_jax.kvcache.policies import policy_scores, select_tokens
 
 
@@ -50,22 +50,18 @@ def compress_rows(
     new_len_b = jnp.where(rows_b, config.budget, cache.lengths_b)
     # Rows not compressed write nothing (compaction writes only j < its new length).
     write_len_b = jnp.where(rows_b, config.budget, 0)
-    layers = cache.k_pages.shape[0]
 
     def compact(pool):
-        return jnp.stack(
-            [
-                compact_pages(
-                    pool[y],
-                    cache.page_table,
-                    keep_ybkj[y],
-                    write_len_b,
-                    impl=cache.impl,
-                    mesh=cache.mesh,
-                )
-                for y in range(layers)
-            ]
-        )
+        # Every layer's compaction runs on the whole pool (`layer_pages`: no slice of it), so
+        # each call updates the pool in place (the kernel aliases it), where compacting
+        # `pool[y]` and stacking the layers would build a new pool.
+        for y in range(pool.shape[0]):
+            flat, table = layer_pages(pool, cache.page_table, y)
+            flat = compact_pages(
+                flat, table, keep_ybkj[y], write_len_b, impl=cache.impl, mesh=cache.mesh
+            )
+            pool = flat.reshape(pool.shape)
+        return pool
 
     k_pages, v_pages = compact(cache.k_pages), compact(cache.v_pages)
     attn_mass = None if cache.attn_mass is None else compact(cache.attn_mass)

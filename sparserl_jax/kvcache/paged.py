@@ -314,12 +314,11 @@ class PagedKVCache:
         keep_bt = valid_bt & (t_idx[None, :] >= self.new_counts_b[:, None] - w)
         ring_bt = jnp.where(keep_bt, pos_bt % w, w)
         rows_bt = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
-        qw = (
-            self.q_window[layer]
-            .at[rows_bt, ring_bt]
-            .set(q_btnh.astype(self.q_window.dtype), mode="drop")
+        # One scatter into the stacked window (as `attend` stores K/V), updated in place.
+        qw = self.q_window.at[layer, rows_bt, ring_bt].set(
+            q_btnh.astype(self.q_window.dtype), mode="drop"
         )
-        return dataclasses.replace(self, q_window=self.q_window.at[layer].set(qw))
+        return dataclasses.replace(self, q_window=qw)
 
     def _accumulate_mass(self, layer, probs_btns, valid_bt, flat_bt, kv_len_b) -> PagedKVCache:
         b, t, n, s = probs_btns.shape
@@ -329,13 +328,14 @@ class PagedKVCache:
         # of its KV group and over the new (real) queries.
         probs_btns = jnp.where(valid_bt[:, :, None, None], probs_btns, 0.0)
         mass_bsk = jnp.sum(probs_btns.reshape(b, t, kh, g, s), axis=(1, 3)).transpose(0, 2, 1)
-        flat = self.attn_mass[layer].reshape(p * pl, kh)
-        flat = flat.at[flat_bt].set(0.0, mode="drop")  # recycled pages hold stale mass
+        # Scatters into the stacked pool of every layer (not slice -> update -> write back,
+        # which copies the layer's pool): in place. An index past the pool (page p) is dropped.
+        # Recycled pages hold stale mass: the new tokens' entries start from zero.
+        mass = self.attn_mass.at[layer, flat_bt // pl, flat_bt % pl].set(0.0, mode="drop")
         j = jnp.arange(s, dtype=jnp.int32)
         page_bs = jnp.take_along_axis(self.page_table, jnp.broadcast_to(j // pl, (b, s)), axis=1)
         flat_bs = jnp.where(j[None, :] < kv_len_b[:, None], page_bs * pl + j[None, :] % pl, p * pl)
-        flat = flat.at[flat_bs].add(mass_bsk, mode="drop")
-        mass = self.attn_mass.at[layer].set(flat.reshape(p, pl, kh))
+        mass = mass.at[layer, flat_bs // pl, flat_bs % pl].add(mass_bsk, mode="drop")
         return dataclasses.replace(self, attn_mass=mass)
 
     def window_queries(self, layer: int) -> tuple[Float[Array, "B W N H"], Int[Array, " B"]]:
@@ -345,6 +345,20 @@ class PagedKVCache:
         ring_bw = (self.next_pos_b[:, None] - w + i_w[None, :]) % w
         qw_bwnh = jnp.take_along_axis(self.q_window[layer], ring_bw[:, :, None, None], axis=1)
         return qw_bwnh, jnp.minimum(self.next_pos_b, w)
+
+
+def layer_pages(
+    pool_yp: Float[Array, "Y P L ..."], page_table_bm: Int[Array, "B M"], layer: int
+) -> tuple[Float[Array, "YP L ..."], Int[Array, "B M"]]:
+    """Layer `layer` of a stacked pool as an in-place op updates it without slicing it out:
+    the pool seen as one pool of `Y * P` pages (a free reshape) and the page table shifted to
+    the layer's pages (-1 stays -1). Compacting a slice `pool[layer]` updates a copy, and
+    stacking the layers back builds a new pool. (Read-only kernels keep `pool[layer]`: on TPU
+    the Mosaic kernels read the pool as `[P, L, K * H]`, so a flat view of every layer would be
+    relaid out whole, where a slice is relaid out one layer at a time.)"""
+    y, p = pool_yp.shape[:2]
+    flat = pool_yp.reshape((y * p,) + pool_yp.shape[2:])
+    return flat, jnp.where(page_table_bm >= 0, page_table_bm + layer * p, -1)
 
 
 def cdiv_arr(a: jax.Array, b: int) -> jax.Array:

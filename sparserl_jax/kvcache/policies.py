@@ -118,21 +118,54 @@ def redundancy_scores(
     return jnp.where(valid_bs[:, None, :], red, 0.0)
 
 
+# Slots scored together by R-KV's redundancy: its `[slots, K, S, S]` similarities are built
+# for this many slots at a time (`lax.map`), so its temporaries do not grow with the batch.
+REDUNDANCY_BLOCK = 8
+
+
+def rkv_redundancy(
+    cache: PagedKVCache, valid_bs: Bool[Array, "B S"], config: CompressionConfig, *, block: int
+) -> Float[Array, "Y B K S"]:
+    """`redundancy_scores` of every layer, `block` slots at a time, each block's keys read
+    from the pool through its page table (no `[B, S, K, H]` copy of a layer's keys)."""
+    table_bm = jnp.maximum(cache.page_table, 0)
+    b = table_bm.shape[0]
+
+    def layer_scores(layer: int):
+        def rows(args):
+            table_gm, valid_gs = args
+            k_gmlkh = cache.k_pages[layer, table_gm]
+            k_gskh = k_gmlkh.reshape((k_gmlkh.shape[0], -1) + k_gmlkh.shape[3:])
+            return redundancy_scores(
+                k_gskh,
+                valid_gs,
+                threshold=config.rkv_sim_threshold,
+                retain_last=config.rkv_retain_last,
+            )
+
+        # Blocks of `block` rows: [B // block, block, ...] mapped sequentially, the rest
+        # (B % block rows) in one more call.
+        full = b - b % block
+        out = []
+        if full:
+            blocked = jax.tree.map(
+                lambda x: x[:full].reshape((full // block, block) + x.shape[1:]),
+                (table_bm, valid_bs),
+            )
+            red = jax.lax.map(rows, blocked)
+            out.append(red.reshape((full,) + red.shape[2:]))
+        if b % block:
+            out.append(rows((table_bm[full:], valid_bs[full:])))
+        return out[0] if len(out) == 1 else jnp.concatenate(out)
+
+    return jnp.stack([layer_scores(layer) for layer in range(cache.k_pages.shape[0])])
+
+
 def rkv_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array, "Y B K S"]:
     """`λ·importance − (1−λ)·redundancy` per layer and KV head."""
     importance = snapkv_scores(cache, config)
     valid_bs = candidate_mask(cache.lengths_b, cache.capacity, config.window)
-    red = jnp.stack(
-        [
-            redundancy_scores(
-                gather_pages(cache.k_pages[layer], cache.page_table),
-                valid_bs,
-                threshold=config.rkv_sim_threshold,
-                retain_last=config.rkv_retain_last,
-            )
-            for layer in range(cache.k_pages.shape[0])
-        ]
-    )
+    red = rkv_redundancy(cache, valid_bs, config, block=REDUNDANCY_BLOCK)
     lam = config.rkv_lambda
     return lam * importance - (1.0 - lam) * red
 

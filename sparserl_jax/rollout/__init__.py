@@ -1,8 +1,8 @@
 """Rollouts: the jitted continuous-batching engine on the paged (optionally compressed) KV cache,
 sampling with the logprob contract, dense old-policy logprobs."""
 
-from sparserl_jax.rollout.config import RolloutConfig, RolloutResult
-from sparserl_jax.rollout.engine import RolloutAborted, RolloutEngine
+from sparserl_jax.rollout.config import RolloutAborted, RolloutConfig, RolloutResult
+from sparserl_jax.rollout.engine import RolloutEngine
 from sparserl_jax.rollout.logprobs import dense_logprobs, head_logprobs, teacher_forced_logprobs
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys, token_logprobs
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 
 from sparserl_jax.kvcache import CompressionConfig, budget_ladder
@@ -28,6 +29,10 @@ class RolloutConfig:
       stop_token_ids: a completion ends after the first of these (it is included).
       n_samples: completions per prompt (a GRPO group), rows `i * n_samples + j`.
       chunk_steps: decode steps per jitted chunk; the host syncs once per chunk.
+      prefill_chunk: slots prefilled together in one step of the prefill program (its loop
+        runs over the slots being filled, this many at a time), so prefill's temporaries
+        (activations, the prompt's attention scores) are bounded by this many prompts, not by
+        `num_slots`. Results do not depend on it.
       seed: the run seed; request keys derive from `(seed, i, j)` unless per-prompt seeds given.
       kv: KV compression; None or policy "none" keeps every token (dense). `kv.adaptive`
         moves its budget between RL steps over `kv_ladder` (one engine per rung).
@@ -44,13 +49,21 @@ class RolloutConfig:
     stop_token_ids: tuple[int, ...] = ()
     n_samples: int = 1
     chunk_steps: int = 16
+    prefill_chunk: int = 4
     seed: int = 0
     kv: CompressionConfig | None = None
     page_size: int = 16
     num_pages: int | None = None
 
     def __post_init__(self):
-        for name in ("num_slots", "max_prompt_len", "max_new_tokens", "n_samples", "chunk_steps"):
+        for name in (
+            "num_slots",
+            "max_prompt_len",
+            "max_new_tokens",
+            "n_samples",
+            "chunk_steps",
+            "prefill_chunk",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -163,3 +176,26 @@ class RolloutResult:
             mask[row, p : p + n] = True
             logp[row, p : p + n] = self.sampler_logprobs[row, :n]
         return tokens, mask, logp
+
+
+class RolloutAborted(RuntimeError):
+    """`RolloutEngine.generate` was told to stop (its `stop` hook) before it finished."""
+
+
+class SlotState(NamedTuple):
+    """Per-slot decode state carried between chunks (device arrays, `S` = slots)."""
+
+    logits_sv: jax.Array  # fp32 [S, V]: the logits the slot's next token is sampled from
+    keys_s2: jax.Array  # uint32 [S, 2]: the slot's request key
+    active_s: jax.Array  # bool [S]: generating
+    generated_s: jax.Array  # int32 [S]: completion tokens so far
+    stopped_s: jax.Array  # bool [S]: ended on a stop token
+    evicted_s: jax.Array  # int32 [S]: tokens evicted, frozen when the slot finishes
+
+
+class ChunkOut(NamedTuple):
+    """What one chunk emitted: `emit_sc[s, c]` marks a token of slot s at chunk step c."""
+
+    tokens_sc: jax.Array
+    logp_sc: jax.Array
+    emit_sc: jax.Array

@@ -7,8 +7,10 @@ Device side, two jitted programs, traced once per engine (shapes are fixed by th
 cache and the decode state are donated, the weights are an argument, so new weights never
 recompile):
 - `prefill`: the prompts of the slots being filled, padded to `max_prompt_len`, go through
-  `model.decode` in one call (other slots are masked out and untouched); only the logits of
-  each prompt's last token are computed, and kept for the first sample.
+  `model.decode` `prefill_chunk` slots at a time (a loop over the filled slots only; other
+  slots are untouched), each over the first pages of its (empty) slot, so its temporaries are
+  bounded by the chunk, not by the slots or their capacity; only the logits of each prompt's
+  last token are computed, and kept for the first sample. The page pools are updated in place.
 - `chunk`: a `lax.while_loop` of up to `chunk_steps` decode steps, stopping early when every slot
   is idle. A step samples one token per live slot from its kept logits (per-request keys, so a
   request's tokens do not depend on its slot), records token and logprob, ends the slot on a stop
@@ -24,9 +26,10 @@ pool never overflows and memory is bounded by the pool, not by batch x max lengt
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,33 +44,17 @@ from sparserl_jax.kvcache import (
     release_slots,
     should_compress,
 )
+from sparserl_jax.kvcache.config import cdiv
 from sparserl_jax.kvcache.paged import PoolExhaustedError
 from sparserl_jax.models.transformer import check_token_ids
-from sparserl_jax.rollout.config import RolloutConfig, RolloutResult
+from sparserl_jax.rollout.config import (
+    ChunkOut,
+    RolloutAborted,
+    RolloutConfig,
+    RolloutResult,
+    SlotState,
+)
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys
-
-
-class RolloutAborted(RuntimeError):
-    """`RolloutEngine.generate` was told to stop (its `stop` hook) before it finished."""
-
-
-class SlotState(NamedTuple):
-    """Per-slot decode state carried between chunks (device arrays, `S` = slots)."""
-
-    logits_sv: jax.Array  # fp32 [S, V]: the logits the slot's next token is sampled from
-    keys_s2: jax.Array  # uint32 [S, 2]: the slot's request key
-    active_s: jax.Array  # bool [S]: generating
-    generated_s: jax.Array  # int32 [S]: completion tokens so far
-    stopped_s: jax.Array  # bool [S]: ended on a stop token
-    evicted_s: jax.Array  # int32 [S]: tokens evicted, frozen when the slot finishes
-
-
-class ChunkOut(NamedTuple):
-    """What one chunk emitted: `emit_sc[s, c]` marks a token of slot s at chunk step c."""
-
-    tokens_sc: jax.Array
-    logp_sc: jax.Array
-    emit_sc: jax.Array
 
 
 class RolloutEngine:
@@ -108,16 +95,53 @@ class RolloutEngine:
         keys_s2 = request_keys(
             req_s4[:, 0].astype(jnp.uint32), req_s4[:, 1], req_s4[:, 2], req_s4[:, 3] > 0
         )
-        p = tokens_sp.shape[1]
-        mask_sp = (jnp.arange(p, dtype=jnp.int32)[None, :] < lens_s[:, None]) & fill_s[:, None]
-        # Only each prompt's last token's logits are needed (never [S, P, V]): the KV policies'
-        # window scoring reads the queries the cache records, not logits.
+        s, p = tokens_sp.shape
+        g = min(self.config.prefill_chunk, s)
+        # The filled slots first (in slot order, so pages are handed out as in one call), in
+        # groups of g; the padding index s reads row s - 1 and writes nothing (mode="drop").
+        order_r = jnp.argsort(~fill_s, stable=True).astype(jnp.int32)
+        order_r = jnp.concatenate([order_r, jnp.full((cdiv(s, g) * g - s,), s, jnp.int32)])
+        num_fill = jnp.sum(fill_s.astype(jnp.int32))
+        # A filled slot is empty (new or released), so its prompt lands in its first pages:
+        # each group attends over those, not over the slot's whole capacity.
+        cols = min(cache.page_table.shape[1], cdiv(p, cache.page_size))
         last_s = jnp.maximum(lens_s - 1, 0)
-        logits_s1v, cache = model.decode(tokens_sp, cache, mask_sp, last_s[:, None])
-        last_sv = logits_s1v[:, 0]
+        steps = cache.steps
+
+        def group(carry):
+            i, cache, logits_sv = carry
+            rows_g = jax.lax.dynamic_slice(order_r, (i * g,), (g,))
+            read_g = jnp.minimum(rows_g, s - 1)
+            fill_g = (rows_g < s) & fill_s[read_g]
+            mask_gp = (jnp.arange(p, dtype=jnp.int32)[None, :] < lens_s[read_g][:, None]) & (
+                fill_g[:, None]
+            )
+            sub = _rows(cache, read_g, cols)
+            # Only each prompt's last token's logits are needed (never [S, P, V]): the KV
+            # policies' window scoring reads the queries the cache records, not logits.
+            logits_g1v, sub = model.decode(tokens_sp[read_g], sub, mask_gp, last_s[read_g][:, None])
+            write_g = jnp.where(fill_g, rows_g, s)  # rows not filled keep their state
+            cache = _set_rows(cache, sub, write_g, cols)
+            logits_sv = logits_sv.at[write_g].set(logits_g1v[:, 0].astype(jnp.float32), mode="drop")
+            return i + 1, cache, logits_sv
+
+        if g == s:  # one group holds every slot: no loop, no gather of rows
+            mask_sp = (jnp.arange(p, dtype=jnp.int32)[None, :] < lens_s[:, None]) & fill_s[:, None]
+            sub = dataclasses.replace(cache, page_table=cache.page_table[:, :cols])
+            logits_s1v, sub = model.decode(tokens_sp, sub, mask_sp, last_s[:, None])
+            cache = _merge_filled(cache, sub, fill_s, cols)
+            logits_sv = jnp.where(
+                fill_s[:, None], logits_s1v[:, 0].astype(jnp.float32), slots.logits_sv
+            )
+        else:
+            carry = (jnp.int32(0), cache, slots.logits_sv)
+            _, cache, logits_sv = jax.lax.while_loop(lambda x: x[0] * g < num_fill, group, carry)
+        # One prefill is one step of the batch's counter (the compression interval), however
+        # many groups it ran.
+        cache = dataclasses.replace(cache, steps=steps + 1)
         zero_s = jnp.zeros_like(slots.generated_s)
         slots = SlotState(
-            logits_sv=jnp.where(fill_s[:, None], last_sv.astype(jnp.float32), slots.logits_sv),
+            logits_sv=logits_sv,
             keys_s2=jnp.where(fill_s[:, None], keys_s2, slots.keys_s2),
             active_s=slots.active_s | fill_s,
             generated_s=jnp.where(fill_s, zero_s, slots.generated_s),
@@ -375,3 +399,46 @@ class RolloutEngine:
                 f"({per_slot} pages)"
             )
         return fill
+
+
+# Per-slot fields of `PagedKVCache` (the pools, free stack and counters are shared by all slots).
+_ROW_FIELDS = ("num_pages_b", "lengths_b", "next_pos_b", "new_counts_b", "evicted_b", "overflow_b")
+
+
+def _rows(cache: PagedKVCache, rows_g: jax.Array, cols: int) -> PagedKVCache:
+    """The cache seen by slots `rows_g` only, their page table cut to its first `cols` pages:
+    the pools (and H2O's mass) are the same arrays, updated in place by the step."""
+    fields = {f: getattr(cache, f)[rows_g] for f in _ROW_FIELDS}
+    q_window = None if cache.q_window is None else cache.q_window[:, rows_g]
+    return dataclasses.replace(
+        cache, page_table=cache.page_table[rows_g, :cols], q_window=q_window, **fields
+    )
+
+
+def _set_rows(cache: PagedKVCache, sub: PagedKVCache, rows_g: jax.Array, cols: int):
+    """`cache` with the per-slot state of `sub` written back to slots `rows_g` (an index out
+    of range writes nothing) and its shared state (pools, free stack, counters) taken whole."""
+    fields = {
+        f: getattr(cache, f).at[rows_g].set(getattr(sub, f), mode="drop") for f in _ROW_FIELDS
+    }
+    table = cache.page_table.at[rows_g, :cols].set(sub.page_table, mode="drop")
+    q_window = None
+    if cache.q_window is not None:
+        q_window = cache.q_window.at[:, rows_g].set(sub.q_window, mode="drop")
+    return dataclasses.replace(sub, page_table=table, q_window=q_window, **fields)
+
+
+def _merge_filled(cache: PagedKVCache, sub: PagedKVCache, fill_s: jax.Array, cols: int):
+    """`cache` with the per-slot state of `sub` (the same slots, its page table cut to `cols`
+    pages) taken for the filled slots only, and its shared state taken whole (a slot not
+    filled holds more pages than `cols` may show: `sub` flags it, and that is dropped)."""
+
+    def pick(new, old):
+        return jnp.where(fill_s.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
+
+    fields = {f: pick(getattr(sub, f), getattr(cache, f)) for f in _ROW_FIELDS}
+    table = cache.page_table.at[:, :cols].set(pick(sub.page_table, cache.page_table[:, :cols]))
+    q_window = None
+    if cache.q_window is not None:
+        q_window = jax.vmap(pick, in_axes=(0, 0))(sub.q_window, cache.q_window)
+    return dataclasses.replace(sub, page_table=table, q_window=q_window, **fields)

@@ -25,8 +25,8 @@ import numpy as np
 Emit = Callable[[dict[str, Any]], None]
 
 # Qwen2.5-0.5B (learner, engine, attention) and the learner-step estimate compiled ahead of time
-# for one TPU v5p chip (docs/results.md, "Learner memory: bytes per chip at real shapes": micro-batch 1,
-# remat, bf16 over fp32 masters): temporaries and the whole step, GiB, by T.
+# for one TPU v5p chip (docs/results.md, "Learner memory: bytes per chip at real shapes":
+# micro-batch 1, remat, bf16 over fp32 masters): temporaries and the whole step, GiB, by T.
 MODEL = "qwen2.5-0.5b"
 TPU_AOT_GIB = {4096: {"temp": 2.35, "total": 7.87}, 16384: {"temp": 3.89, "total": 9.41}}
 

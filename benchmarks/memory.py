@@ -4,8 +4,9 @@ Used by `tools/bench_memory.py`. One *spec* (a JSON-able dict) is one program at
 mesh; `measure(spec)` compiles it ahead of time for a TPU topology from this CPU host (through
 `benchmarks.tpu_aot`: abstract inputs, nothing runs, no weights) and returns one *row*:
 
-- `params_bytes`, `opt_state_bytes` (learner) or `kv_cache_bytes` (engine): what the program's
-  arguments hold per chip, from the shardings they are laid out with;
+- `params_bytes`, `opt_state_bytes` (learner step) or `kv_cache_bytes` (engine): what the
+  program's arguments hold per chip, from the shardings they are laid out with (a learner
+  `loss_grad` row, one micro-batch's loss and gradient, holds no optimizer state);
 - `temp_bytes`: XLA's `memory_analysis()` temporaries per chip (activations, logits, gradients
   before they land in the donated state);
 - `total_bytes`: arguments + outputs that alias no donated argument + temporaries, per chip
@@ -46,6 +47,7 @@ from sparserl_jax.models import ModelConfig
 # Checkpoint shapes of issue 15 (registry names), the default sweep's subsets, and the lengths.
 PRESETS = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.2-1b")
 SEQ_LENS = (4096, 16384, 32768)
+LEARNER_PROGRAMS = ("step", "loss_grad")
 # The smallest v5p topology holding this many chips (the first `chips` devices are used).
 TOPOLOGY = {1: "v5p:2x2x1", 4: "v5p:2x2x1", 8: "v5p:2x2x2", 16: "v5p:2x2x4"}
 GiB = 2**30
@@ -154,11 +156,17 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def _measure_learner(row: dict, cfg: Config, model_cfg: ModelConfig, devices: list) -> dict:
     lcfg = cfg.learner
-    batch = row["micro_batch"] * lcfg.num_micro_batches * len(devices)
+    if row["program"] == "loss_grad":  # one micro-batch: its loss and gradient, no optimizer
+        row["batch"] = batch = row["micro_batch"] * len(devices)
+        fn, params, head, mb = tpu_aot.loss_grad_inputs(
+            model_cfg, lcfg, devices, batch=batch, seq_len=row["seq_len"]
+        )
+        row["params_bytes"] = per_chip_bytes(params)
+        return _finish(row, tpu_aot.compile_program(devices[0], fn, params, head, mb))
+    row["batch"] = batch = row["micro_batch"] * lcfg.num_micro_batches * len(devices)
     learner, state, rl_batch, pass_index = tpu_aot.learner_inputs(
         model_cfg, lcfg, devices, batch=batch, seq_len=row["seq_len"]
     )
-    row["batch"] = batch
     row["params_bytes"] = per_chip_bytes(state.params)
     row["opt_state_bytes"] = per_chip_bytes(state.opt_state)
     step = learner._compiled_step(False)
@@ -187,7 +195,12 @@ def _measure_tunix(row: dict, model_cfg: ModelConfig, devices: list) -> dict:
     if len(devices) != 1:
         raise ValueError("the tunix peer compiles for one chip only (see benchmarks.memory_tunix)")
     fn, params, opt_state, example = memory_tunix.grpo_step(
-        model_cfg, devices[0], seq_len=row["seq_len"], batch=row["micro_batch"], remat=row["remat"]
+        model_cfg,
+        devices[0],
+        seq_len=row["seq_len"],
+        batch=row["micro_batch"],
+        remat=row["remat"],
+        flash=row["flash"],
     )
     row["batch"] = row["micro_batch"]
     row["params_bytes"] = per_chip_bytes(params)
@@ -202,6 +215,24 @@ def tunix_available() -> bool:
 # ---- specs and sweeps --------------------------------------------------------------------------
 
 
+def _shapes(
+    presets: Sequence[str],
+    seq_lens: Sequence[int],
+    micro_batches: Sequence[int],
+    remats: Sequence[bool],
+    chips: Sequence[int],
+    sets: Sequence[str],
+) -> list[dict]:
+    return [
+        dict(preset=p, chips=c, seq_len=t, micro_batch=m, remat=r, sets=list(sets))
+        for p in presets
+        for c in chips
+        for r in remats
+        for m in micro_batches
+        for t in seq_lens
+    ]
+
+
 def learner_specs(
     presets: Sequence[str],
     seq_lens: Sequence[int],
@@ -209,17 +240,29 @@ def learner_specs(
     remats: Sequence[bool],
     chips: Sequence[int],
     sets: Sequence[str] = (),
-    kind: str = "learner",
+    programs: Sequence[str] = ("step",),
 ) -> list[dict]:
-    """Learner-step specs (`kind="tunix"`: the peer's step at the same shapes)."""
-    return [
-        dict(kind=kind, preset=p, chips=c, seq_len=t, micro_batch=m, remat=r, sets=list(sets))
-        for p in presets
-        for c in chips
-        for r in remats
-        for m in micro_batches
-        for t in seq_lens
-    ]
+    """Specs of our learner: `program` "step" (the whole step: loss, gradient, AdamW) or
+    "loss_grad" (one micro-batch's loss and gradient, the gradients as outputs)."""
+    for prog in programs:
+        if prog not in LEARNER_PROGRAMS:
+            raise ValueError(f"learner program {prog!r} is not one of {LEARNER_PROGRAMS}")
+    shapes = _shapes(presets, seq_lens, micro_batches, remats, chips, sets)
+    return [dict(kind="learner", program=prog, **s) for s in shapes for prog in programs]
+
+
+def peer_specs(
+    presets: Sequence[str],
+    seq_lens: Sequence[int],
+    micro_batches: Sequence[int],
+    remats: Sequence[bool],
+    sets: Sequence[str] = (),
+    flash: Sequence[bool] = (False,),
+) -> list[dict]:
+    """Specs of tunix's GRPO step at the same shapes, one chip, without (`flash` False) and / or
+    with its splash attention (`benchmarks.memory_tunix`)."""
+    shapes = _shapes(presets, seq_lens, micro_batches, remats, [1], sets)
+    return [dict(kind="tunix", program="step", flash=f, **s) for s in shapes for f in flash]
 
 
 def engine_specs(
@@ -291,12 +334,20 @@ def _gib(n: int | None) -> str:
     return "-" if n is None else f"{n / GiB:.2f}"
 
 
+def label(row: dict) -> str:
+    """Which learner program a row measured: ours ("learner", "learner loss+grad") or the
+    peer's ("tunix GRPO", "tunix GRPO flash")."""
+    if row["kind"] == "learner":
+        return "learner" if row["program"] == "step" else "learner loss+grad"
+    return "tunix GRPO flash" if row["flash"] else "tunix GRPO"
+
+
 def describe(row: dict) -> str:
     """One line: the shape, then params / optimizer state (or KV pool) / temporaries / total
     per chip in GiB and whether it fits."""
     if row["kind"] in ("learner", "tunix"):
         what = (
-            f"{row['kind']} {row['preset']} {row['chips']}chip T={row['seq_len']} "
+            f"{label(row)} {row['preset']} {row['chips']}chip T={row['seq_len']} "
             f"mb={row['micro_batch']} remat={'on' if row['remat'] else 'off'}"
         )
         held = f"params {_gib(row.get('params_bytes'))} opt {_gib(row.get('opt_state_bytes'))}"
@@ -319,14 +370,15 @@ def describe(row: dict) -> str:
 
 
 def longest_fitting(rows: Sequence[dict]) -> list[dict]:
-    """Per learner setting (ours or the peer's; preset, chips, micro-batch, remat, sets): the
-    longest compiled sequence length whose step fits one chip of each kind (None: none fits).
-    A compile the TPU compiler refused for overflowing the chip counts as not fitting."""
+    """Per learner setting (the program, ours or the peer's, as `label` names it; preset, chips,
+    micro-batch, remat, sets): the longest compiled sequence length whose program fits one chip
+    of each kind (None: none fits). A compile the TPU compiler refused for overflowing the chip
+    counts as not fitting."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         if r["kind"] in ("learner", "tunix") and (r.get("ok") or r.get("oom")):
             key = (
-                r["kind"],
+                label(r),
                 r["preset"],
                 r["chips"],
                 r["micro_batch"],
@@ -335,9 +387,9 @@ def longest_fitting(rows: Sequence[dict]) -> list[dict]:
             )
             groups.setdefault(key, []).append(r)
     out = []
-    for (kind, preset, chips, mb, remat, sets), rs in groups.items():
+    for (step, preset, chips, mb, remat, sets), rs in groups.items():
         entry = dict(
-            kind=kind, preset=preset, chips=chips, micro_batch=mb, remat=remat, sets=list(sets)
+            step=step, preset=preset, chips=chips, micro_batch=mb, remat=remat, sets=list(sets)
         )
         entry["compiled"] = sorted(r["seq_len"] for r in rs)
         for hw in HBM:
@@ -364,7 +416,7 @@ def markdown(rows: Sequence[dict], longest: Sequence[dict]) -> str:
             prog, shape = f"engine {r['program']}", f"{r['slots']} slots x {r['max_len']}, {pol}"
             held = r.get("kv_cache_bytes")
         else:
-            prog = "learner" if r["kind"] == "learner" else "tunix GRPO"
+            prog = label(r)
             remat = "remat" if r["remat"] else "no remat"
             shape = f"T={r['seq_len']}, mb {r['micro_batch']}, {remat}"
             held = r.get("opt_state_bytes")
@@ -387,7 +439,7 @@ def markdown(rows: Sequence[dict], longest: Sequence[dict]) -> str:
     ]
     for g in longest:
         out.append(
-            f"| {'ours' if g['kind'] == 'learner' else 'tunix'} | {g['preset']} | {g['chips']} "
+            f"| {g['step']} | {g['preset']} | {g['chips']} "
             f"| {g['micro_batch']} | {'on' if g['remat'] else 'off'} "
             f"| {', '.join(map(str, g['compiled']))} | {g['longest_v5p'] or 'none'} "
             f"| {g['longest_h100'] or 'none'} |"

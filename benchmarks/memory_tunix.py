@@ -5,9 +5,14 @@ harness imports without it. What is compiled is the work of its trainer's step: 
 of its registered GRPO policy loss (`tunix.rl.algo_core.grpo_loss_fn`: the logits of the whole
 sequence from its Qwen2, then `selective_log_softmax` on the completion) and an AdamW update,
 parameters and optimizer state donated. bf16 compute over fp32 parameters, decoder remat (or
-none), no reference model (beta 0, as our learner with kl_coef 0). One chip only: its Qwen2 skips
-its activation sharding constraints whenever the host's default backend is the CPU, so a mesh
-compiled from this host would not be the layout it runs with.
+none), no reference model (beta 0, as our learner with kl_coef 0).
+
+Attention: its XLA einsum (`[B, K, G, T, S]` scores; its default) or, `flash=True`, its splash
+kernel (`ModelConfig.use_flash_attention`, tunix's best setting, block 1024 by its default),
+which it runs under `shard_map` over the mesh of the legacy `with mesh:` context, axes `fsdp`
+and `tp`: the step is traced under a one-chip mesh of those axes either way. One chip only: its
+Qwen2 skips its activation sharding constraints whenever the host's default backend is the CPU,
+so a mesh compiled from this host would not be the layout it runs with.
 """
 
 from __future__ import annotations
@@ -16,8 +21,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from benchmarks import rollout as rollout_bench
 from benchmarks import tpu_aot
@@ -27,7 +33,7 @@ PROMPT = 256  # tunix splits a sequence into prompt + completion; seq_len is the
 
 
 def grpo_step(
-    model_cfg: ModelConfig, device, *, seq_len: int, batch: int, remat: bool
+    model_cfg: ModelConfig, device, *, seq_len: int, batch: int, remat: bool, flash: bool = False
 ) -> tuple[Any, Any, Any, Any]:
     """(jitted step, params, optimizer state, example): the inputs are ShapeDtypeStructs on
     `device`; the step is `step(params, opt_state, example) -> (params, opt_state, loss)`."""
@@ -43,19 +49,23 @@ def grpo_step(
         dtype=jnp.bfloat16,
         param_dtype=jnp.float32,
         remat_config=tq.RematConfig.DECODER if remat else tq.RematConfig.NONE,
+        use_flash_attention=flash,
     )
     abstract = nnx.eval_shape(lambda: tq.Qwen2(tcfg, rngs=nnx.Rngs(0)))
     graphdef, params, rest = nnx.split(abstract, nnx.Param, ...)
     algo = GRPOConfig(beta=0.0)
     algo.temperature = 1.0  # its learner copies the rollout temperature here
     tx = optax.adamw(1e-6, b1=0.9, b2=0.98, weight_decay=0.1)
+    mesh = Mesh(np.asarray([device]).reshape(1, 1), ("fsdp", "tp"))
 
     def step(params, opt_state, example):
         def loss(p):
             model = nnx.merge(graphdef, p, rest)
             return algo_core.grpo_loss_fn(model, example, algo, pad_id=0, eos_id=1)
 
-        (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        # Its attention reads the mesh from this context (`pxla.thread_resources`), at trace time.
+        with mesh:
+            (value, _), grads = jax.value_and_grad(loss, has_aux=True)(params)
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, value
 
@@ -72,7 +82,7 @@ def grpo_step(
         ref_per_token_logps=None,
         old_per_token_logps=sds((batch, completion), jnp.float32),
     )
-    one = SingleDeviceSharding(device)
+    one = NamedSharding(mesh, PartitionSpec())
     params, example = tpu_aot._place((params, example), one)
     opt_state = tpu_aot._place(jax.eval_shape(tx.init, params), one)
     return jax.jit(step, donate_argnums=(0, 1)), params, opt_state, example

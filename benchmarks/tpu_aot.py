@@ -31,9 +31,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 from pallas_kernels import _dispatch, compact_pages, paged_decode_attention, window_scores
 from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.models import ModelConfig, Transformer, model_preset
-from sparserl_jax.parallel import MeshConfig, make_mesh, state_shardings
+from sparserl_jax.models.attention import with_attention_mesh
+from sparserl_jax.parallel import MeshConfig, batch_sharding, make_mesh, state_shardings
 from sparserl_jax.rl.config import LearnerConfig
-from sparserl_jax.rl.learner import Learner, LearnerState, RLBatch, _micro_loss
+from sparserl_jax.rl.learner import Learner, LearnerState, RLBatch
+from sparserl_jax.rl.objective import micro_loss
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
@@ -244,25 +246,44 @@ def hidden_states_program(model_cfg: ModelConfig, device, *, batch=1, seq_len=40
     return compile_program(device, jax.jit(jax.value_and_grad(loss)), params, tokens)
 
 
-def loss_grad_program(
-    model_cfg: ModelConfig, lcfg: LearnerConfig, device, *, batch=1, seq_len=4096
-) -> dict:
-    """Compile the learner's own micro-batch loss and its gradient (`rl.learner._micro_loss`
-    under `value_and_grad`; the gradients are outputs, no optimizer) for one chip: the step's
-    temporaries apart from the gradient buffers and the AdamW update."""
+def loss_grad_inputs(
+    model_cfg: ModelConfig, lcfg: LearnerConfig, devices: list, *, batch=1, seq_len=4096
+) -> tuple:
+    """(jitted loss + gradient, params, tied head, micro-batch) of the learner's own micro-batch
+    loss (`rl.objective.micro_loss` under `value_and_grad`, pi_old given; the gradients are
+    outputs, laid out like the parameters, no optimizer): abstract, placed on `devices` as the
+    learner lays them out (one chip, or fsdp over them with the batch's rows split, traced under
+    the mesh as the learner's step is). The step's temporaries apart from the gradient buffers
+    and the AdamW update."""
     abstract = _abstract_model(model_cfg.replace(param_dtype="float32"))
     graphdef, state = nnx.split(abstract)
-    one = SingleDeviceSharding(device)
-    params = _place(nnx.to_pure_dict(state), one)
-    head = params["embed"]["embedding"] if model_cfg.tie_embeddings else None
-    mb = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=one)}
+    mesh = _mesh(devices)
+    tied = model_cfg.tie_embeddings
+    loss = functools.partial(micro_loss, graphdef=graphdef, config=lcfg, tied=tied)
+    grad_fn = with_attention_mesh(mesh, jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
+    if mesh is None:
+        param_sh = rows = SingleDeviceSharding(devices[0])
+        fn = jax.jit(grad_fn)
+    else:
+        param_sh = nnx.to_pure_dict(state_shardings(state, mesh))
+        rows = batch_sharding(mesh, 2)
+        head_sh = param_sh["embed"]["embedding"] if tied else None
+        rep = NamedSharding(mesh, PartitionSpec())
+        fn = jax.jit(grad_fn, out_shardings=(rep, (param_sh, head_sh)))
+    params = _place(nnx.to_pure_dict(state), param_sh)
+    head = params["embed"]["embedding"] if tied else None
+    mb = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)}
     for k in ("old_logp", "adv", "pg_coef", "reg_coef", "tok_w"):
-        mb[k] = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=one)
-    loss = functools.partial(
-        _micro_loss, graphdef=graphdef, config=lcfg, tied=model_cfg.tie_embeddings
-    )
-    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
-    return compile_program(device, fn, params, head, mb)
+        mb[k] = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
+    return fn, params, head, mb
+
+
+def loss_grad_program(
+    model_cfg: ModelConfig, lcfg: LearnerConfig, devices: list, *, batch=1, seq_len=4096
+) -> dict:
+    """Compile the learner's micro-batch loss and gradient (see `loss_grad_inputs`)."""
+    fn, *args = loss_grad_inputs(model_cfg, lcfg, devices, batch=batch, seq_len=seq_len)
+    return compile_program(devices[0], fn, *args)
 
 
 # ---- kernels and the decode roofline -----------------------------------------------------------
@@ -399,8 +420,8 @@ def run_all(
         if "learner" in programs:
             res["learner"] = got = learner_program(cfg, lcfg, devices, batch=batch, seq_len=seq_len)
             log(f"{key} learner {_brief({'step': got})}")
-        if "loss_grad" in programs and n == 1:
-            got = loss_grad_program(cfg, lcfg, devices[0], batch=batch, seq_len=seq_len)
+        if "loss_grad" in programs:
+            got = loss_grad_program(cfg, lcfg, devices, batch=batch, seq_len=seq_len)
             res["loss_grad"] = got
             temp = got.get("temp_bytes", 0) / GiB
             log(f"{key} loss_grad {_brief({'loss+grad': got})} temp {temp:.2f} GiB")

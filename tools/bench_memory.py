@@ -1,25 +1,31 @@
 """Per-chip memory of the learner step and the rollout engine at real checkpoint shapes, compiled
 ahead of time for TPU v5p from this CPU host (needs libtpu: `make test-tpu-aot` builds .venv-tpu).
 
-    python tools/bench_memory.py                      # the default sweep (below), 13 compiles
+    python tools/bench_memory.py                      # the default sweep (below), 16 compiles
     python tools/bench_memory.py --full               # every preset x length x mb x remat x mesh
     python tools/bench_memory.py --presets qwen2.5-7b --chips 8 --seq-lens 32768 --no-engine
+    python tools/bench_memory.py --presets qwen3-0.6b --no-engine --peer none \\
+        --learner-programs step loss_grad             # + one micro-batch's loss and gradient
     python tools/bench_memory.py --presets qwen2.5-0.5b --seq-lens 4096 --no-engine \\
         --set learner.num_micro_batches=2 --set learner.loss.entropy_coef=0.01
 
 Default sweep: the learner step of Qwen2.5-0.5B on one chip at T = 4096 / 16384 / 32768
 (micro-batch 1, remat on), of Qwen2.5-7B on 8 chips (fsdp) at the same lengths, tunix's GRPO
-step for Qwen2.5-0.5B at the same shapes (`--peer tunix`, the default when google-tunix is
-installed: `make bench-venv`), and the rollout engine's decode chunk and prefill at Qwen2.5-7B
-shapes on one chip (256 slots of 4096 tokens, 512 of them prompt), dense and R-KV budget 512.
+step for Qwen2.5-0.5B at the same shapes without and with its splash attention (`--peer tunix`,
+the default when google-tunix is installed: `make bench-venv`; `--peer-flash off|on`), and the
+rollout engine's decode chunk and prefill at Qwen2.5-7B shapes on one chip (256 slots of 4096
+tokens, 512 of them prompt), dense and R-KV budget 512.
 `--full`: all five presets (qwen2.5-0.5b, qwen3-0.6b, qwen2.5-1.5b, qwen2.5-7b, llama3.2-1b) x
 the three lengths x micro-batch 1 and 4 x remat on and off x 1, 4 and 8 chips, and the engine
 at every preset (hours of compiling on a small host).
 
 Learner: bf16 compute over fp32 master weights with AdamW state; `--micro-batches` is rows per
-chip per micro-batch (the step's batch is that x learner.num_micro_batches x chips). Engine: bf16
-weights, one chip: its decode chunk's Mosaic kernels are not partitioned over a mesh yet (the
-compile fails there), and its page pool is replicated on a mesh anyway.
+chip per micro-batch (the step's batch is that x learner.num_micro_batches x chips).
+`--learner-programs loss_grad`: instead of (or beside: `step loss_grad`) the whole step, one
+micro-batch's loss and gradient with the gradients as outputs, no optimizer (its rows have no
+optimizer state; the gradients are in the total). Engine: bf16 weights, one chip: its decode
+chunk's Mosaic kernels are not partitioned over a mesh yet (the compile fails there), and its
+page pool is replicated on a mesh anyway.
 
 `--set KEY=VALUE` (repeatable) overrides any key of the config schema (sparserl_jax/config.py),
 on every config of the sweep: `--set learner.num_micro_batches=2`, `--set rollout.page_size=32`,
@@ -66,6 +72,20 @@ def main() -> None:
         help="tunix's GRPO step at the same shapes, one chip, qwen2 presets (default: tunix "
         "when installed)",
     )
+    p.add_argument(
+        "--peer-flash",
+        nargs="+",
+        choices=["off", "on"],
+        default=["off", "on"],
+        help="tunix's step without / with its splash attention (use_flash_attention)",
+    )
+    p.add_argument(
+        "--learner-programs",
+        nargs="+",
+        choices=memory.LEARNER_PROGRAMS,
+        default=["step"],
+        help="step: the whole step (AdamW); loss_grad: one micro-batch's loss and gradient",
+    )
     p.add_argument("--no-learner", action="store_true")
     p.add_argument("--peer-only", action="store_true", help="of the learners, only the peer's")
     p.add_argument("--no-engine", action="store_true")
@@ -92,19 +112,20 @@ def main() -> None:
             remats=_bools(a.remat or (["on", "off"] if a.full else ["on"])),
             sets=a.sets,
         )
+        programs = a.learner_programs
         if a.full or a.presets or a.chips:
             presets = a.presets or list(memory.PRESETS)
             chips = a.chips or ([1, 4, 8] if a.full else [1])
-            specs += memory.learner_specs(presets, chips=chips, **grid)
+            specs += memory.learner_specs(presets, chips=chips, programs=programs, **grid)
         else:
             presets = [DEFAULT_LEARNER[0][0]]
             for preset, chips in DEFAULT_LEARNER:
-                specs += memory.learner_specs([preset], chips=[chips], **grid)
+                specs += memory.learner_specs([preset], chips=[chips], programs=programs, **grid)
         if a.peer_only:
             specs = []
         if a.peer == "tunix":
             qwen2 = [p_ for p_ in presets if MODEL_PRESETS[p_].family == "qwen2"]
-            specs += memory.learner_specs(qwen2, chips=[1], kind="tunix", **grid)
+            specs += memory.peer_specs(qwen2, flash=_bools(a.peer_flash), **grid)
     if not a.no_engine:
         specs += memory.engine_specs(
             a.engine_presets or (list(memory.PRESETS) if a.full else ["qwen2.5-7b"]),

@@ -169,7 +169,7 @@ def _measure_learner(row: dict, cfg: Config, model_cfg: ModelConfig, devices: li
     )
     row["params_bytes"] = per_chip_bytes(state.params)
     row["opt_state_bytes"] = per_chip_bytes(state.opt_state)
-    step = learner._compiled_step(False)
+    step = learner._compiled_step(rl_batch)
     return _finish(row, tpu_aot.compile_program(devices[0], step, state, rl_batch, pass_index))
 
 

@@ -226,7 +226,7 @@ def learner_program(
 ) -> dict:
     """Compile `Learner`'s step (see `learner_inputs`)."""
     learner, *args = learner_inputs(model_cfg, lcfg, devices, batch=batch, seq_len=seq_len)
-    return compile_program(devices[0], learner._compiled_step(False), *args)
+    return compile_program(devices[0], learner._compiled_step(args[1]), *args)
 
 
 def hidden_states_program(model_cfg: ModelConfig, device, *, batch=1, seq_len=4096) -> dict:

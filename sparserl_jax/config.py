@@ -262,6 +262,10 @@ class Config:
     async_: AsyncConfig = dataclasses.field(default=AsyncConfig(), metadata={"key": "async"})
     run_dir: str = "runs/default"
 
+    def __post_init__(self):
+        if self.learner.attention_mask == "replay" and not self.rollout.record_evictions:
+            raise ConfigError("learner.attention_mask=replay needs rollout.record_evictions=true")
+
 
 # ---------------------------------------------------------------------------------------------
 # dict -> dataclass with type checking

@@ -26,9 +26,12 @@ log = logging.getLogger(__name__)
 _logged: set[str] = set()
 
 
-def rl_batch(result: RolloutResult, advantages_b: np.ndarray, seq_len: int) -> RLBatch:
+def rl_batch(
+    result: RolloutResult, advantages_b: np.ndarray, seq_len: int, *, evictions: bool = False
+) -> RLBatch:
     """The learner's batch: `result.sequences()` right-padded to the static width `seq_len`
-    (so the learner compiles once), with the advantages of every row."""
+    (so the learner compiles once), with the advantages of every row, and the sampler's
+    eviction record when `evictions` (for `learner.attention_mask=replay`)."""
     tokens, mask, logp = result.sequences()
     width = tokens.shape[1]
     if width > seq_len:
@@ -39,6 +42,7 @@ def rl_batch(result: RolloutResult, advantages_b: np.ndarray, seq_len: int) -> R
         mask_bt=np.pad(mask, pad),
         advantages_b=np.asarray(advantages_b, np.float32),
         sampler_logp_bt=np.pad(logp, pad),
+        evict_pos_bykt=result.evictions(seq_len) if evictions else None,
     )
 
 
@@ -129,7 +133,8 @@ def learn_step(
                 estimator=cfg.train.advantage_estimator,
             )
         )
-        batch = rl_batch(result, adv, rcfg.max_prompt_len + rcfg.max_new_tokens)
+        replay = cfg.learner.attention_mask == "replay"
+        batch = rl_batch(result, adv, rcfg.max_prompt_len + rcfg.max_new_tokens, evictions=replay)
 
         t0 = time.perf_counter()
         # With bypass the learner takes pi_old := mu; with `why` None, pass 1 computes it.
@@ -137,7 +142,8 @@ def learn_step(
             old_params = published_params(
                 publisher.sent_bits, state.params, cfg.sync.jnp_publish_dtype
             )
-            batch = batch._replace(old_logp_bt=learner.logprobs(old_params, batch.tokens_bt))
+            old = learner.logprobs(old_params, batch.tokens_bt, batch.evict_pos_bykt)
+            batch = batch._replace(old_logp_bt=old)
         t_old = time.perf_counter() - t0
     if on_update is not None:
         on_update()

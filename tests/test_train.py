@@ -240,3 +240,37 @@ def test_adaptive_kv_budget_moves_and_resumes_bit_identically(tmp_path):
     assert meta_a["kv_budget"]["budget"] in ladder
     # The resumed run took step 3's budget from checkpoint 2, not from the config.
     assert _final_state(tmp_path / "cut", 2)[1]["kv_budget"]["budget"] == budgets[2]
+
+
+@pytest.mark.slow
+def test_eviction_replay_end_to_end(tmp_path):
+    """`learner.attention_mask=replay` on the tiny R-KV config: the learner computes the sparse
+    policy the sampler ran, so pi_old / mu is 1 up to float rounding (fp32) where the dense
+    learner of the same run sees the mismatch; the loop runs and syncs as usual. Replay without
+    the record is refused before anything runs."""
+    with pytest.raises(ValueError, match="rollout.record_evictions=true"):
+        load_config(TINY, ["learner.attention_mask=replay"])
+    rows = {}
+    for mask in ("dense", "replay"):
+        cfg = load_config(
+            TINY,
+            [
+                f"run_dir={tmp_path / mask}",
+                "train.steps=2",
+                "train.eval_examples=0",
+                "sft.steps=0",
+                "data.batch_size=4",  # 8 rows: one per fake device
+                "rollout.record_evictions=true",
+                f"learner.attention_mask={mask}",
+            ],
+        )
+        assert train(cfg, log_fn=lambda m: None)["end_step"] == 2
+        rows[mask] = [r for r in read_metrics(tmp_path / mask) if "correction/rho_p5" in r]
+    assert len(rows["replay"]) == 2
+    for r in rows["replay"]:
+        assert r["sync/verified"] is True and np.isfinite(r["actor/pg_loss"])
+        assert r["correction/mismatch_kl"] < 1e-9 and abs(r["correction/rho_p5"] - 1) < 1e-4
+    # The first step samples from the same weights in both runs: the dense learner sees a gap.
+    assert rows["dense"][0]["correction/mismatch_kl"] > 1e3 * max(
+        rows["replay"][0]["correction/mismatch_kl"], 1e-12
+    )

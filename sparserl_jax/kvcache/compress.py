@@ -18,6 +18,7 @@ from jaxtyping import Array, Bool
 from pallas_kernels import compact_pages
 from sparserl_jax.kvcache import allocator
 from sparserl_jax.kvcache.config import CompressionConfig
+from sparserl_jax.kvcache.evictions import record_evictions
 from sparserl_jax.kvcache.paged import PagedKVCache, cdiv_arr, layer_pages
 from sparserl_jax.kvcache.policies import policy_scores, select_tokens
 
@@ -65,6 +66,9 @@ def compress_rows(
 
     k_pages, v_pages = compact(cache.k_pages), compact(cache.v_pages)
     attn_mass = None if cache.attn_mass is None else compact(cache.attn_mass)
+    evict_pos = cache.evict_pos
+    if evict_pos is not None:
+        evict_pos = record_evictions(evict_pos, keep_ybkj, cache.next_pos_b, rows_b)
     stack, top, page_table, num_pages_b = allocator.release(
         cache.free_stack,
         cache.free_top,
@@ -77,6 +81,7 @@ def compress_rows(
         k_pages=k_pages,
         v_pages=v_pages,
         attn_mass=attn_mass,
+        evict_pos=evict_pos,
         page_table=page_table,
         num_pages_b=num_pages_b,
         free_stack=stack,

@@ -21,6 +21,8 @@ Extra state the policies need, kept only when asked for:
   absolute position mod w.
 - `attn_mass`: the attention mass each stored key has received (H2O), paged like K/V so it is
   compacted and freed with its token.
+- `evict_pos`: when each position left the cache (`kvcache.evictions`), for a learner that
+  replays the sampler's attention.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from pallas_kernels.paged_attention.api import (
     paged_decode_attention_xla_bucketed,
 )
 from pallas_kernels.paged_attention.reference import paged_attention_reference
-from sparserl_jax.kvcache import allocator
+from sparserl_jax.kvcache import allocator, evictions
 from sparserl_jax.kvcache.config import cdiv
 
 _STATIC = {"static": True}
@@ -66,6 +68,7 @@ class PagedKVCache:
     peak_pages: jax.Array  # int32 []: most pages ever in use at once
     q_window: jax.Array | None  # [layers, B, w, N, H] or None
     attn_mass: jax.Array | None  # fp32 [layers, P, L, K] or None
+    evict_pos: jax.Array | None = None  # int32 [Y', B, K', T] (`kvcache.evictions`) or None
     impl: Impl = dataclasses.field(default="auto", metadata=_STATIC)
     # The devices the kernels run on per device (`pallas_kernels._dispatch.on_mesh`); None: one.
     mesh: Mesh | None = dataclasses.field(default=None, metadata=_STATIC)
@@ -84,11 +87,13 @@ class PagedKVCache:
         num_heads: int | None = None,
         window: int = 0,
         track_attention_mass: bool = False,
+        evict_record: tuple[int, int, int] | None = None,
         dtype: jnp.dtype = jnp.float32,
         impl: Impl = "auto",
         mesh: Mesh | None = None,
     ) -> PagedKVCache:
-        """An empty cache; `window > 0` (with `num_heads`) records the last `window` queries.
+        """An empty cache; `window > 0` (with `num_heads`) records the last `window` queries;
+        `evict_record` = (Y', K', T) keeps the eviction record (`kvcache.evictions`).
 
         With a `mesh`, the kernels run per device (`shardings` says how the arrays are laid out).
         """
@@ -128,6 +133,9 @@ class PagedKVCache:
             peak_pages=jnp.int32(0),
             q_window=q_window,
             attn_mass=attn_mass,
+            evict_pos=None
+            if evict_record is None
+            else evictions.empty_record((evict_record[0], batch) + tuple(evict_record[1:])),
             impl=impl,
             mesh=mesh,
         )

@@ -60,12 +60,23 @@ logger = logging.getLogger("sparserl_jax.attention")
 _LOGGED: set[tuple[str, str]] = set()
 
 
-def dense_mask(t: int, segment_ids_bt: Int[Array, "B T"] | None, batch: int) -> jax.Array:
-    """The `[B, T, T]` mask of the reference: causal, and equal segment ids when given."""
+def dense_mask(
+    t: int,
+    segment_ids_bt: Int[Array, "B T"] | None,
+    batch: int,
+    evict_pos_bkt: Int[Array, "B K T"] | None = None,
+) -> jax.Array:
+    """The `[B, T, T]` mask of the reference: causal, and equal segment ids when given; with an
+    eviction record, `[B, K, T, T]`: and the query before the key's eviction."""
     causal_tt = jnp.tril(jnp.ones((t, t), dtype=bool))
     if segment_ids_bt is None:
-        return jnp.broadcast_to(causal_tt, (batch, t, t))
-    return causal_tt[None] & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
+        mask = jnp.broadcast_to(causal_tt, (batch, t, t))
+    else:
+        mask = causal_tt[None] & (segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :])
+    if evict_pos_bkt is None:
+        return mask
+    seen_bkts = jnp.arange(t, dtype=jnp.int32)[None, None, :, None] < evict_pos_bkt[:, :, None, :]
+    return mask[:, None] & seen_bkts
 
 
 def unsupported_reason(
@@ -264,12 +275,16 @@ def causal_attention(
     impl: AttentionImpl = "auto",
     block_q: int = 512,
     block_kv: int = 512,
+    evict_pos_bkt: Int[Array, "B K T"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal GQA self-attention of pre-scaled queries within segments, in q's dtype.
 
     Query head n uses KV head n // G. Token t attends to s <= t with equal `segment_ids` (None:
-    one segment). `block_q`/`block_kv` tile the chunked path and splash (for splash rounded to a
-    multiple of 128 that divides the padded length). The mesh splash runs per device on is the
+    one segment). `evict_pos_bkt` (`[B, K or 1, T]`): replay a sparse sampler's evictions, t
+    attends s only while `t < evict_pos[s]` (`kvcache.evictions`); dense and chunked only: "auto"
+    runs chunked, an explicit "splash" or "cudnn" is a ValueError. `block_q`/`block_kv` tile
+    the chunked path and splash (for splash rounded to a multiple of 128 that divides the
+    padded length). The mesh splash runs per device on is the
     abstract mesh of the tracing context (see the module docstring).
     """
     h = q_btnh.shape[3]
@@ -277,6 +292,14 @@ def causal_attention(
     # cuDNN is traced against the local library: a GPU branch only in a process on a GPU.
     platforms = ("tpu", "gpu", "cpu") if here == "gpu" else ("tpu", "cpu")
     segmented = segment_ids_bt is not None
+    if evict_pos_bkt is not None:
+        if impl in ("splash", "cudnn"):
+            raise ValueError(
+                f"attention {impl!r} cannot replay evictions (learner.attention_mask=replay); "
+                "use attention 'chunked', 'dense' or 'auto'"
+            )
+        if impl == "auto":
+            impl = "chunked"
     built: dict[tuple[str, bool], Callable] = {}
     branch: dict[str, Callable] = {}
     for p in platforms:
@@ -284,7 +307,12 @@ def causal_attention(
         key = (which, which == "splash" and p != "tpu")
         if key not in built:
             built[key] = functools.partial(
-                _attend, which=which, interpret=key[1], block_q=block_q, block_kv=block_kv
+                _attend,
+                which=which,
+                interpret=key[1],
+                block_q=block_q,
+                block_kv=block_kv,
+                evict_pos_bkt=evict_pos_bkt,
             )
         branch[p] = built[key]
     args = (q_btnh, k_btkh, v_btkh, segment_ids_bt)
@@ -298,14 +326,23 @@ def causal_attention(
     )
 
 
-def _attend(q_btnh, k_btkh, v_btkh, segment_ids_bt, *, which, interpret, block_q, block_kv):
+def _attend(
+    q_btnh, k_btkh, v_btkh, segment_ids_bt, *, which, interpret, block_q, block_kv, evict_pos_bkt
+):
     """`causal_attention` on implementation `which` (splash interpreted if `interpret`)."""
     b, t = q_btnh.shape[:2]
     if which == "dense":
-        out = gqa_attention(q_btnh, k_btkh, v_btkh, dense_mask(t, segment_ids_bt, b))
+        mask = dense_mask(t, segment_ids_bt, b, evict_pos_bkt)
+        out = gqa_attention(q_btnh, k_btkh, v_btkh, mask)
     elif which == "chunked":
         out = chunked_attention(
-            q_btnh, k_btkh, v_btkh, segment_ids_bt, block_q=block_q, block_kv=block_kv
+            q_btnh,
+            k_btkh,
+            v_btkh,
+            segment_ids_bt,
+            block_q=block_q,
+            block_kv=block_kv,
+            evict_pos_bkt=evict_pos_bkt,
         )
     elif which == "cudnn":
         out = _cudnn(q_btnh, k_btkh, v_btkh)

@@ -36,13 +36,19 @@ def _pad_len(t: int, block_q: int, block_kv: int) -> tuple[int, int, int]:
     return bq, bk, -(-t // step) * step
 
 
-def _tile_mask(i, j, seg_q_bq, seg_kv_bs, bq: int, bk: int):
-    """`[B, 1, 1, bq, bk]`: key index <= query index, same segment."""
+def _tile_mask(i, j, seg_q_bq, seg_kv_bs, ev_kv_bsk, bq: int, bk: int):
+    """`[B, 1, 1, bq, bk]`: key index <= query index, same segment; with an eviction record
+    (`ev_kv_bsk`, the key block's `[B, bk, K]`), `[B, K, 1, bq, bk]`: and the query comes before
+    the key's eviction (`kvcache.evictions`)."""
     q_idx = i * bq + jnp.arange(bq, dtype=jnp.int32)
     kv_idx = j * bk + jnp.arange(bk, dtype=jnp.int32)
     causal_qs = kv_idx[None, :] <= q_idx[:, None]
     same_bqs = seg_q_bq[:, :, None] == seg_kv_bs[:, None, :]
-    return (causal_qs[None] & same_bqs)[:, None, None]
+    mask = (causal_qs[None] & same_bqs)[:, None, None]
+    if ev_kv_bsk is None:
+        return mask
+    seen_bkqs = q_idx[None, None, :, None] < jnp.moveaxis(ev_kv_bsk, 2, 1)[:, :, None, :]
+    return mask & seen_bkqs[:, :, None]
 
 
 def _kv_blocks(i, bq: int, bk: int, nk: int):
@@ -61,7 +67,11 @@ def unblocks(x):
     return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
 
 
-def _forward(q_btkgh, k_btkh, v_btkh, seg_bt, bq: int, bk: int):
+def _key_block(x, j, bk: int):
+    return None if x is None else jax.lax.dynamic_slice_in_dim(x, j * bk, bk, axis=1)
+
+
+def _forward(q_btkgh, k_btkh, v_btkh, seg_bt, ev_btk, bq: int, bk: int):
     """Padded operands -> (fp32 output `[B, T, K, G, H]`, row log-sum-exp `[nq, B, K, G, bq]`)."""
     b, t, kh, g, h = q_btkgh.shape
     nq, nk = t // bq, t // bk
@@ -74,8 +84,9 @@ def _forward(q_btkgh, k_btkh, v_btkh, seg_bt, bq: int, bk: int):
             k_j = jax.lax.dynamic_slice_in_dim(k_btkh, j * bk, bk, axis=1)
             v_j = jax.lax.dynamic_slice_in_dim(v_btkh, j * bk, bk, axis=1)
             seg_j = jax.lax.dynamic_slice_in_dim(seg_bt, j * bk, bk, axis=1)
+            mask = _tile_mask(i, j, seg_i, seg_j, _key_block(ev_btk, j, bk), bq, bk)
             s = jnp.einsum(_QK, q_i, k_j.astype(q_i.dtype), preferred_element_type=jnp.float32)
-            s = jnp.where(_tile_mask(i, j, seg_i, seg_j, bq, bk), s, -jnp.inf)
+            s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             # A row with no visible key so far keeps m = -inf: shift by 0 so exp gives 0, not NaN.
             shift = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -99,7 +110,7 @@ def _forward(q_btkgh, k_btkh, v_btkh, seg_bt, bq: int, bk: int):
     return unblocks(out), lse
 
 
-def _backward(q_btkgh, k_btkh, v_btkh, seg_bt, out_btkgh, lse, do_btkgh, bq: int, bk: int):
+def _backward(q_btkgh, k_btkh, v_btkh, seg_bt, ev_btk, out_btkgh, lse, do_btkgh, bq: int, bk: int):
     """One pass over query blocks; each visits its visible key blocks and adds its share of dk
     and dv into fp32 carries. Returns fp32 (dq, dk, dv)."""
     b, t, kh, g, h = q_btkgh.shape
@@ -120,7 +131,7 @@ def _backward(q_btkgh, k_btkh, v_btkh, seg_bt, out_btkgh, lse, do_btkgh, bq: int
             v_j = jax.lax.dynamic_slice_in_dim(v_btkh, j * bk, bk, axis=1).astype(cdt)
             seg_j = jax.lax.dynamic_slice_in_dim(seg_bt, j * bk, bk, axis=1)
             s = jnp.einsum(_QK, q_i, k_j, preferred_element_type=jnp.float32)
-            mask = _tile_mask(i, j, seg_i, seg_j, bq, bk)
+            mask = _tile_mask(i, j, seg_i, seg_j, _key_block(ev_btk, j, bk), bq, bk)
             p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
             dp = jnp.einsum(_QK, do_c, v_j, preferred_element_type=jnp.float32)
             # ds stays fp32 (as the reference's autodiff keeps it): rounding it to bf16 for the
@@ -155,20 +166,20 @@ def _backward(q_btkgh, k_btkh, v_btkh, seg_bt, out_btkgh, lse, do_btkgh, bq: int
     return unblocks(dq), dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _attend(q, k, v, seg, bq, bk):
-    return _forward(q, k, v, seg, bq, bk)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _attend(q, k, v, seg, ev, bq, bk):
+    return _forward(q, k, v, seg, ev, bq, bk)[0]
 
 
-def _attend_fwd(q, k, v, seg, bq, bk):
-    out, lse = _forward(q, k, v, seg, bq, bk)
-    return out, (q, k, v, seg, out, lse)
+def _attend_fwd(q, k, v, seg, ev, bq, bk):
+    out, lse = _forward(q, k, v, seg, ev, bq, bk)
+    return out, (q, k, v, seg, ev, out, lse)
 
 
 def _attend_bwd(bq, bk, res, do):
-    q, k, v, seg, out, lse = res
-    dq, dk, dv = _backward(q, k, v, seg, out, lse, do, bq, bk)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    q, k, v, seg, ev, out, lse = res
+    dq, dk, dv = _backward(q, k, v, seg, ev, out, lse, do, bq, bk)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -182,11 +193,14 @@ def chunked_attention(
     *,
     block_q: int = 512,
     block_kv: int = 512,
+    evict_pos_bkt: Int[Array, "B K T"] | None = None,
 ) -> Float[Array, "B T N H"]:
     """Causal self-attention of pre-scaled queries, restricted to equal segment ids; fp32 out.
 
     Query head n uses KV head n // G. Token t attends to tokens s <= t with
-    `segment_ids[s] == segment_ids[t]` (None: one segment). T need not be a multiple of the
+    `segment_ids[s] == segment_ids[t]` (None: one segment), and with an eviction record
+    `evict_pos_bkt` (`[B, K or 1, T]`, `kvcache.evictions`) only while `t < evict_pos[s]`: the
+    attention a sparse sampler computed. T need not be a multiple of the
     blocks: the operands are padded (padded keys come after every real query, so causality
     hides them) and the padded rows dropped. Never builds a `[T, T]` array.
     """
@@ -204,5 +218,9 @@ def chunked_attention(
     q = jnp.pad(q_btnh, pad + ((0, 0), (0, 0))).reshape(b, tp, kh, n // kh, h)
     k = jnp.pad(k_btkh, pad + ((0, 0), (0, 0)))
     v = jnp.pad(v_btkh, pad + ((0, 0), (0, 0)))
-    out = _attend(q, k, v, seg, bq, bk)
+    ev = None
+    if evict_pos_bkt is not None:
+        ev = jnp.broadcast_to(evict_pos_bkt.astype(jnp.int32), (b, kh, t)).transpose(0, 2, 1)
+        ev = jnp.pad(ev, pad + ((0, 0),), constant_values=jnp.iinfo(jnp.int32).max)
+    out = _attend(q, k, v, seg, ev, bq, bk)
     return out.reshape(b, tp, n, h)[:, :t]

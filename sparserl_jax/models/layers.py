@@ -96,6 +96,7 @@ def gqa_attention(
     mask_bts: Bool[Array, "B T S"],
 ) -> Float[Array, "B T N H"]:
     """Grouped-query attention of pre-scaled queries over masked keys, softmax in fp32.
+    `mask_bts` may also be per KV head, `[B, K, T, S]`.
 
     Query head n uses kv head n // G (G = N // K), as Hugging Face's `repeat_kv` does. Rows whose
     mask is all False return zeros, never NaN. Returns fp32.
@@ -109,7 +110,8 @@ def gqa_attention(
         k_bskh.astype(q_btnh.dtype),
         preferred_element_type=jnp.float32,
     )
-    scores_bkgts = jnp.where(mask_bts[:, None, None, :, :], scores_bkgts, -jnp.inf)
+    mask_bkgts = mask_bts[:, None, None] if mask_bts.ndim == 3 else mask_bts[:, :, None]
+    scores_bkgts = jnp.where(mask_bkgts, scores_bkgts, -jnp.inf)
     max_bkgt1 = jnp.max(scores_bkgts, axis=-1, keepdims=True)
     max_bkgt1 = jnp.where(jnp.isfinite(max_bkgt1), max_bkgt1, 0.0)
     p_bkgts = jnp.exp(scores_bkgts - max_bkgt1)

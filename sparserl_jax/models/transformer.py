@@ -160,8 +160,10 @@ class Block(nnx.Module):
         x_btd: Float[Array, "B T D"],
         positions_bt: Int[Array, "B T"],
         segment_ids_bt: Int[Array, "B T"] | None,
+        evict_pos_bkt: Int[Array, "B K T"] | None = None,
     ) -> Float[Array, "B T D"]:
-        """Teacher forcing: causal attention within segments (`models.attention`)."""
+        """Teacher forcing: causal attention within segments (`models.attention`), replaying a
+        sparse sampler's evictions when given."""
         cfg = self.attn.cfg
         q, k, v = self.attn.project(self.input_norm(x_btd), positions_bt)
         o = causal_attention(
@@ -172,6 +174,7 @@ class Block(nnx.Module):
             impl=cfg.attention,
             block_q=cfg.attention_block,
             block_kv=cfg.attention_block,
+            evict_pos_bkt=evict_pos_bkt,
         )
         x_btd = constrain(x_btd + self.attn.output(o).astype(x_btd.dtype), ACT_BTD)
         return constrain(x_btd + self.mlp(self.post_attn_norm(x_btd)).astype(x_btd.dtype), ACT_BTD)
@@ -297,9 +300,13 @@ class Transformer(nnx.Module):
         tokens_bt: Int[Array, "B T"],
         positions_bt: Int[Array, "B T"] | None = None,
         segment_ids_bt: Int[Array, "B T"] | None = None,
+        evict_pos_bykt: Int[Array, "B Y K T"] | None = None,
     ) -> Float[Array, "B T D"]:
         """Final-normed hidden states of a teacher-forced forward pass. The attention is
-        `cfg.attention`'s (`models.attention.causal_attention`): only "dense" builds `[T, T]`."""
+        `cfg.attention`'s (`models.attention.causal_attention`): only "dense" builds `[T, T]`.
+        `evict_pos_bykt`: a sparse sampler's eviction record (`RolloutResult.evictions`; Y and
+        K are the layers and KV heads, or 1 where its choice was shared): each layer attends
+        only to what the sampler's cache held (`kvcache.evictions`)."""
         b, t = tokens_bt.shape
         if positions_bt is None:
             if segment_ids_bt is None:
@@ -307,13 +314,16 @@ class Transformer(nnx.Module):
             else:
                 positions_bt = segment_positions(segment_ids_bt)
         x = self.embed_tokens(tokens_bt)
-        for layer in self.layers:
+        for y, layer in enumerate(self.layers):
+            ev = None
+            if evict_pos_bykt is not None:
+                ev = evict_pos_bykt[:, y if evict_pos_bykt.shape[1] > 1 else 0]
             if self.cfg.remat:
-                x = nnx.remat(lambda blk, x_, p_, s_: blk(x_, p_, s_))(
-                    layer, x, positions_bt, segment_ids_bt
+                x = nnx.remat(lambda blk, x_, p_, s_, e_: blk(x_, p_, s_, e_))(
+                    layer, x, positions_bt, segment_ids_bt, ev
                 )
             else:
-                x = layer(x, positions_bt, segment_ids_bt)
+                x = layer(x, positions_bt, segment_ids_bt, ev)
         return self.final_norm(x)
 
     def __call__(

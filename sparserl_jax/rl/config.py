@@ -220,6 +220,10 @@ class LearnerConfig:
     forward per batch (`rl.objective`; equal to the recompute to float rounding). Where a
     configuration cannot (`rl.objective.first_pass_fallback`: a KL or entropy term next to
     batch-normalised weights over several micro-batches) the learner recomputes.
+    `attention_mask`: "dense" (default) computes the dense policy; "replay" the sparse policy
+    the sampler ran, its recorded evictions replayed in the attention (`RLBatch.evict_pos_bykt`
+    from `rollout.record_evictions`; `kvcache.evictions`): pi_old and pi_theta are then sparse
+    policies, so rho = pi_old / mu starts at 1 up to float rounding and measures only staleness.
     """
 
     loss: LossConfig = dataclasses.field(default_factory=LossConfig)
@@ -231,8 +235,13 @@ class LearnerConfig:
     num_micro_batches: int = 1
     logits_chunk_size: int = LOGITS_CHUNK_SIZE
     old_logp_from_first_pass: bool = True
+    attention_mask: Literal["dense", "replay"] = "dense"
 
     def __post_init__(self):
+        if self.attention_mask not in ("dense", "replay"):
+            raise ValueError(
+                f"attention_mask must be 'dense' or 'replay', got {self.attention_mask!r}"
+            )
         if self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
         if self.logits_chunk_size < 1:

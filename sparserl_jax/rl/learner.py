@@ -47,6 +47,7 @@ from sparserl_jax.rl.objective import (
     first_pass_fallback,
     first_pass_scales,
     micro_inputs,
+    replayed_evictions,
     scale_sums,
 )
 from sparserl_jax.rl.objective import micro_loss as _micro_loss
@@ -68,6 +69,7 @@ class RLBatch(NamedTuple):
     sampler_logp_bt: Float[Array, "B T"]
     old_logp_bt: Float[Array, "B T"] | None = None
     ref_logp_bt: Float[Array, "B T"] | None = None
+    evict_pos_bykt: Int[Array, "B Y K T"] | None = None  # replayed: learner.attention_mask
 
 
 class LearnerState(NamedTuple):
@@ -311,14 +313,18 @@ class Learner:
             return x
         return jax.device_put(x, self._batch_sharding(self.mesh, x.ndim))
 
-    def logprobs(self, params, tokens_bt: Int[Array, "B T"]) -> Float[Array, "B T"]:
+    def logprobs(
+        self, params, tokens_bt: Int[Array, "B T"], evict_pos_bykt=None
+    ) -> Float[Array, "B T"]:
         """Teacher-forced logprobs under `params` (pi_old before the first update on a batch;
         the same function on reference weights gives pi_ref): `teacher_forced_logprobs` (the
         one recompute, shared with `rollout.dense_logprobs`) at the loss temperature, over the
-        learner's micro-batches, on the batch sharding when there is a mesh."""
+        learner's micro-batches, on the batch sharding when there is a mesh; the sampler's
+        evictions replayed when given and `attention_mask` is "replay"."""
         self._check_batch(tokens_bt)
         tokens_bt = self._shard_batch(jnp.asarray(tokens_bt, jnp.int32))
-        return self._logprobs(params, tokens_bt)
+        ev = replayed_evictions(self.config, tokens_bt, evict_pos_bykt)
+        return self._logprobs(params, tokens_bt, evict_pos_bykt=self._shard_batch(ev))
 
     def _check_batch(self, tokens_bt) -> None:
         check_token_ids(tokens_bt, self.vocab_size, "learner batch tokens_bt")
@@ -330,8 +336,8 @@ class Learner:
                 f"shards ({shards})"
             )
 
-    def _compiled_step(self, has_ref: bool, first_pass: bool = False):
-        key = (has_ref, first_pass)
+    def _compiled_step(self, batch: RLBatch, first_pass: bool = False):
+        key = (tuple(x is None for x in batch), first_pass)
         if key not in self._steps:
             micro = None if self.mesh is None else self._batch_sharding(self.mesh, 1)
             fn = functools.partial(
@@ -350,10 +356,7 @@ class Learner:
                 self._steps[key] = jax.jit(fn, donate_argnums=0)
             else:
                 bs = functools.partial(self._batch_sharding, self.mesh)
-                old = None if first_pass else bs(2)
-                batch_shardings = RLBatch(
-                    bs(2), bs(2), bs(1), bs(2), old, bs(2) if has_ref else None
-                )
+                batch_shardings = RLBatch(*(None if x is None else bs(x.ndim) for x in batch))
                 outs = (self.state_shardings, self._rep) + ((bs(2),) if first_pass else ())
                 self._steps[key] = jax.jit(
                     fn,
@@ -372,6 +375,9 @@ class Learner:
         if self.config.loss.kl_coef == 0:
             batch = batch._replace(ref_logp_bt=None)
         self._check_batch(batch.tokens_bt)
+        batch = batch._replace(
+            evict_pos_bykt=replayed_evictions(self.config, batch.tokens_bt, batch.evict_pos_bykt)
+        )
         return RLBatch(*(self._shard_batch(x) for x in batch))
 
     def step(
@@ -387,8 +393,7 @@ class Learner:
                 "batch's first pass with learner.first_pass (pi_old from its forward)"
             )
         batch = self._prepare(batch)
-        step = self._compiled_step(batch.ref_logp_bt is not None)
-        return step(state, batch, jnp.asarray(pass_index, jnp.int32))
+        return self._compiled_step(batch)(state, batch, jnp.asarray(pass_index, jnp.int32))
 
     @property
     def first_pass_fallback(self) -> str | None:
@@ -408,8 +413,7 @@ class Learner:
         if self.first_pass_fallback is not None:
             raise ValueError(f"pi_old cannot come from the first pass: {self.first_pass_fallback}")
         batch = self._prepare(batch._replace(old_logp_bt=None))
-        step = self._compiled_step(batch.ref_logp_bt is not None, first_pass=True)
-        return step(state, batch, jnp.asarray(1, jnp.int32))
+        return self._compiled_step(batch, first_pass=True)(state, batch, jnp.asarray(1, jnp.int32))
 
     def train_on_batch(
         self, state: LearnerState, batch: RLBatch
@@ -422,7 +426,8 @@ class Learner:
         """
         first = batch.old_logp_bt is None and self.first_pass_fallback is None
         if batch.old_logp_bt is None and not first and not self.config.correction.bypass:
-            batch = batch._replace(old_logp_bt=self.logprobs(state.params, batch.tokens_bt))
+            old = self.logprobs(state.params, batch.tokens_bt, batch.evict_pos_bykt)
+            batch = batch._replace(old_logp_bt=old)
         history = []
         for k in range(1, self.config.gating.max_passes + 1):
             if k == 1 and first:

@@ -113,6 +113,8 @@ def micro_inputs(
         per_token["old_logp"] = batch.old_logp_bt.astype(jnp.float32)
     if batch.ref_logp_bt is not None:
         per_token["ref_logp"] = batch.ref_logp_bt.astype(jnp.float32)
+    if batch.evict_pos_bykt is not None:  # replayed (`LearnerConfig.attention_mask`)
+        per_token["evict_pos"] = batch.evict_pos_bykt
     return per_token, corr
 
 
@@ -127,7 +129,7 @@ def micro_loss(params, head_w, mb: dict, *, graphdef, config: LearnerConfig, tie
     """
     loss_cfg = config.loss
     model = nnx.merge(graphdef, params)
-    h_btd = model.hidden_states(mb["tokens"])
+    h_btd = model.hidden_states(mb["tokens"], evict_pos_bykt=mb.get("evict_pos"))
     # Tied: the head reads its own copy of the shared matrix so that its gradient (the output
     # projection's part, which DGG monitors) comes out separately; the learner adds it back.
     # The head runs chunk by chunk inside `head_logprobs`: no [B, T, V] logits, either pass.
@@ -188,6 +190,21 @@ def micro_loss(params, head_w, mb: dict, *, graphdef, config: LearnerConfig, tie
     if first:
         aux["old_logp"] = old_bt
     return loss, jax.lax.stop_gradient(aux)
+
+
+def replayed_evictions(config: LearnerConfig, tokens_bt, evict_pos_bykt):
+    """The eviction record the learner's forward replays (`LearnerConfig.attention_mask`):
+    None when dense; checked against the tokens when "replay"."""
+    if config.attention_mask == "dense":
+        return None
+    ev = None if evict_pos_bykt is None else jnp.asarray(evict_pos_bykt, jnp.int32)
+    if ev is None or ev.ndim != 4 or ev.shape[::3] != tokens_bt.shape:
+        raise ValueError(
+            "learner.attention_mask=replay needs the sampler's eviction record [B, Y, K, T] "
+            f"for tokens {tuple(tokens_bt.shape)}, got {None if ev is None else ev.shape} "
+            "(rollout.record_evictions)"
+        )
+    return ev
 
 
 def first_pass_fallback(config: LearnerConfig) -> str | None:

@@ -10,6 +10,7 @@ import numpy as np
 
 from sparserl_jax.kvcache import CompressionConfig, budget_ladder
 from sparserl_jax.kvcache.config import cdiv
+from sparserl_jax.kvcache.evictions import NEVER
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -36,6 +37,9 @@ class RolloutConfig:
       seed: the run seed; request keys derive from `(seed, i, j)` unless per-prompt seeds given.
       kv: KV compression; None or policy "none" keeps every token (dense). `kv.adaptive`
         moves its budget between RL steps over `kv_ladder` (one engine per rung).
+      record_evictions: return, per request, when each cached position was evicted
+        (`RolloutResult.evict_pos`, `kvcache.evictions`), for a learner that replays the
+        sampler's attention (`learner.attention_mask=replay`).
       page_size: tokens per KV page.
       num_pages: pages in the pool; None sizes it for `num_slots` slots at their worst case.
     """
@@ -52,6 +56,7 @@ class RolloutConfig:
     prefill_chunk: int = 4
     seed: int = 0
     kv: CompressionConfig | None = None
+    record_evictions: bool = False
     page_size: int = 16
     num_pages: int | None = None
 
@@ -146,7 +151,9 @@ class RolloutResult:
     holds their `log softmax(logits / T)` (0 elsewhere). `tokens_evicted` counts the KV entries
     the compression dropped while it was generated; `weight_version` the weights it sampled with.
     `stats`: generated_tokens, seconds, tokens_per_s, kv_peak_bytes (peak pages in use x bytes
-    per page), chunks.
+    per page), chunks. `evict_pos` (with `RolloutConfig.record_evictions`, else None): int32
+    `[R, Y', K', T]`, the first position that no longer saw each position's key
+    (`kvcache.evictions`), T = max_prompt_len + max_new.
     """
 
     prompt_ids: list[list[int]]
@@ -159,6 +166,7 @@ class RolloutResult:
     weight_version: np.ndarray  # int32 [R]
     finished_by_stop: np.ndarray  # bool [R]
     stats: dict[str, Any]
+    evict_pos: np.ndarray | None = None  # int32 [R, Y', K', T]
 
     def sequences(self, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The learner's layout: `tokens_bt` = prompt ++ completion ++ padding (left-aligned,
@@ -176,6 +184,19 @@ class RolloutResult:
             mask[row, p : p + n] = True
             logp[row, p : p + n] = self.sampler_logprobs[row, :n]
         return tokens, mask, logp
+
+    def evictions(self, width: int) -> np.ndarray:
+        """`evict_pos` aligned with `sequences()` padded to `width` columns (`NEVER` on the
+        padding): the learner's eviction replay input `[R, Y', K', width]`."""
+        if self.evict_pos is None:
+            raise ValueError(
+                "this rollout recorded no evictions: set rollout.record_evictions=true"
+            )
+        t = self.evict_pos.shape[-1]
+        if width <= t:
+            return self.evict_pos[..., :width]
+        pad = ((0, 0), (0, 0), (0, 0), (0, width - t))
+        return np.pad(self.evict_pos, pad, constant_values=NEVER)
 
 
 class RolloutAborted(RuntimeError):

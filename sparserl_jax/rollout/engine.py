@@ -45,7 +45,9 @@ from sparserl_jax.kvcache import (
     should_compress,
 )
 from sparserl_jax.kvcache.config import cdiv
+from sparserl_jax.kvcache.evictions import reset_rows
 from sparserl_jax.kvcache.paged import PoolExhaustedError
+from sparserl_jax.kvcache.rows import merge_slot_rows, set_slot_rows, slot_rows
 from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.rollout.config import (
     ChunkOut,
@@ -107,6 +109,8 @@ class RolloutEngine:
         cols = min(cache.page_table.shape[1], cdiv(p, cache.page_size))
         last_s = jnp.maximum(lens_s - 1, 0)
         steps = cache.steps
+        if cache.evict_pos is not None:  # the filled slots start sequences: nothing evicted
+            cache = dataclasses.replace(cache, evict_pos=reset_rows(cache.evict_pos, fill_s))
 
         def group(carry):
             i, cache, logits_sv = carry
@@ -116,12 +120,12 @@ class RolloutEngine:
             mask_gp = (jnp.arange(p, dtype=jnp.int32)[None, :] < lens_s[read_g][:, None]) & (
                 fill_g[:, None]
             )
-            sub = _rows(cache, read_g, cols)
+            sub = slot_rows(cache, read_g, cols)
             # Only each prompt's last token's logits are needed (never [S, P, V]): the KV
             # policies' window scoring reads the queries the cache records, not logits.
             logits_g1v, sub = model.decode(tokens_sp[read_g], sub, mask_gp, last_s[read_g][:, None])
             write_g = jnp.where(fill_g, rows_g, s)  # rows not filled keep their state
-            cache = _set_rows(cache, sub, write_g, cols)
+            cache = set_slot_rows(cache, sub, write_g, cols)
             logits_sv = logits_sv.at[write_g].set(logits_g1v[:, 0].astype(jnp.float32), mode="drop")
             return i + 1, cache, logits_sv
 
@@ -129,7 +133,7 @@ class RolloutEngine:
             mask_sp = (jnp.arange(p, dtype=jnp.int32)[None, :] < lens_s[:, None]) & fill_s[:, None]
             sub = dataclasses.replace(cache, page_table=cache.page_table[:, :cols])
             logits_s1v, sub = model.decode(tokens_sp, sub, mask_sp, last_s[:, None])
-            cache = _merge_filled(cache, sub, fill_s, cols)
+            cache = merge_slot_rows(cache, sub, fill_s, cols)
             logits_sv = jnp.where(
                 fill_s[:, None], logits_s1v[:, 0].astype(jnp.float32), slots.logits_sv
             )
@@ -235,6 +239,7 @@ class RolloutEngine:
             page_size=cfg.page_size,
             num_pages=cfg.pool_pages,
             mesh=self.mesh,
+            record_evictions=cfg.record_evictions,
         )
         s = cfg.num_slots
         zero_s = jnp.zeros((s,), jnp.int32)
@@ -314,6 +319,7 @@ class RolloutEngine:
         lens = np.zeros(num_req, np.int32)
         evicted = np.zeros(num_req, np.int32)
         stopped = np.zeros(num_req, bool)
+        record = None  # [R, Y', K', T] when recording evictions
 
         cache, slots = self._init()
         s = cfg.num_slots
@@ -346,6 +352,9 @@ class RolloutEngine:
             out_h, active, stop_s, evicted_s, pages_s, free_pages, overflow = host
             if overflow.any():  # admission control makes this unreachable; never return garbage
                 raise PoolExhaustedError(f"KV pool overflowed in slots {np.flatnonzero(overflow)}")
+            done = (slot_req >= 0) & ~active
+            if cache.evict_pos is not None and done.any():
+                record = _take_record(record, cache.evict_pos, done, slot_req[done], num_req)
             for slot in np.flatnonzero(slot_req >= 0):
                 r = slot_req[slot]
                 emitted = out_h.emit_sc[slot]
@@ -370,6 +379,7 @@ class RolloutEngine:
             tokens_evicted=evicted,
             weight_version=np.full(num_req, weight_version, np.int32),
             finished_by_stop=stopped,
+            evict_pos=record,
             stats={
                 "generated_tokens": generated,
                 "seconds": seconds,
@@ -401,44 +411,10 @@ class RolloutEngine:
         return fill
 
 
-# Per-slot fields of `PagedKVCache` (the pools, free stack and counters are shared by all slots).
-_ROW_FIELDS = ("num_pages_b", "lengths_b", "next_pos_b", "new_counts_b", "evicted_b", "overflow_b")
-
-
-def _rows(cache: PagedKVCache, rows_g: jax.Array, cols: int) -> PagedKVCache:
-    """The cache seen by slots `rows_g` only, their page table cut to its first `cols` pages:
-    the pools (and H2O's mass) are the same arrays, updated in place by the step."""
-    fields = {f: getattr(cache, f)[rows_g] for f in _ROW_FIELDS}
-    q_window = None if cache.q_window is None else cache.q_window[:, rows_g]
-    return dataclasses.replace(
-        cache, page_table=cache.page_table[rows_g, :cols], q_window=q_window, **fields
-    )
-
-
-def _set_rows(cache: PagedKVCache, sub: PagedKVCache, rows_g: jax.Array, cols: int):
-    """`cache` with the per-slot state of `sub` written back to slots `rows_g` (an index out
-    of range writes nothing) and its shared state (pools, free stack, counters) taken whole."""
-    fields = {
-        f: getattr(cache, f).at[rows_g].set(getattr(sub, f), mode="drop") for f in _ROW_FIELDS
-    }
-    table = cache.page_table.at[rows_g, :cols].set(sub.page_table, mode="drop")
-    q_window = None
-    if cache.q_window is not None:
-        q_window = cache.q_window.at[:, rows_g].set(sub.q_window, mode="drop")
-    return dataclasses.replace(sub, page_table=table, q_window=q_window, **fields)
-
-
-def _merge_filled(cache: PagedKVCache, sub: PagedKVCache, fill_s: jax.Array, cols: int):
-    """`cache` with the per-slot state of `sub` (the same slots, its page table cut to `cols`
-    pages) taken for the filled slots only, and its shared state taken whole (a slot not
-    filled holds more pages than `cols` may show: `sub` flags it, and that is dropped)."""
-
-    def pick(new, old):
-        return jnp.where(fill_s.reshape((-1,) + (1,) * (old.ndim - 1)), new, old)
-
-    fields = {f: pick(getattr(sub, f), getattr(cache, f)) for f in _ROW_FIELDS}
-    table = cache.page_table.at[:, :cols].set(pick(sub.page_table, cache.page_table[:, :cols]))
-    q_window = None
-    if cache.q_window is not None:
-        q_window = jax.vmap(pick, in_axes=(0, 0))(sub.q_window, cache.q_window)
-    return dataclasses.replace(sub, page_table=table, q_window=q_window, **fields)
+def _take_record(record, evict_ybkt, done_s: np.ndarray, reqs: np.ndarray, num_req: int):
+    """The eviction records of the slots that finished (`done_s`), stored at their requests."""
+    got = np.asarray(jax.device_get(evict_ybkt[:, np.flatnonzero(done_s)]))  # [Y', n, K', T]
+    if record is None:
+        record = np.zeros((num_req, got.shape[0]) + got.shape[2:], np.int32)
+    record[reqs] = got.transpose(1, 0, 2, 3)
+    return record

@@ -113,10 +113,13 @@ def teacher_forced_logprobs(
     temperature: float,
     num_micro_batches: int = 1,
     chunk_size: int = LOGITS_CHUNK_SIZE,
+    evict_pos_bykt: Int[Array, "B Y K T"] | None = None,
 ) -> Float[Array, "B T"]:
     """Teacher-forced `log softmax(logits / T)[token]` of every token, aligned with `tokens_bt`.
 
-    Pure (jit it). Entry t is the logprob of token t given tokens `< t`; column 0 is 0.
+    Pure (jit it). `evict_pos_bykt`: the sampler's eviction record, replayed in the attention
+    (`Transformer.hidden_states`): the logprobs of the sparse policy the sampler ran. Entry t
+    is the logprob of token t given tokens `< t`; column 0 is 0.
     `positions_bt=None` lets the model number each row `0..T-1`. With `num_micro_batches` M > 1
     (a divisor of B) the rows are split as in `split_micro_batches` and the M forward passes run
     one after the other (`lax.map`). The head runs `chunk_size` positions at a time
@@ -124,8 +127,8 @@ def teacher_forced_logprobs(
     """
     model = nnx.merge(graphdef, params)
 
-    def rows(tok_bt, pos_bt):
-        h_btd = model.hidden_states(tok_bt, pos_bt)
+    def rows(tok_bt, pos_bt, ev_bykt):
+        h_btd = model.hidden_states(tok_bt, pos_bt, evict_pos_bykt=ev_bykt)
         logp_bt, _ = head_logprobs(
             model.cfg,
             model.head_weight(),
@@ -137,9 +140,10 @@ def teacher_forced_logprobs(
         return logp_bt
 
     if num_micro_batches == 1:
-        return rows(tokens_bt, positions_bt)
+        return rows(tokens_bt, positions_bt, evict_pos_bykt)
     micro = jax.tree.map(
-        lambda x: split_micro_batches(x, num_micro_batches), (tokens_bt, positions_bt)
+        lambda x: split_micro_batches(x, num_micro_batches),
+        (tokens_bt, positions_bt, evict_pos_bykt),
     )
     return join_micro_batches(jax.lax.map(lambda x: rows(*x), micro))
 
@@ -159,6 +163,7 @@ def dense_logprobs(
     positions_bt: Int[Array, "B T"] | None = None,
     micro_batch_size: int | None = None,
     logits_chunk_size: int = LOGITS_CHUNK_SIZE,
+    evict_pos_bykt: Any = None,
 ) -> Float[Array, "B T"]:
     """Teacher-forced `log softmax(logits / T)[token]` of every token, aligned with `tokens_bt`.
 
@@ -170,7 +175,9 @@ def dense_logprobs(
     `positions_bt` defaults to `0..T-1`. `micro_batch_size` bounds the `[b, T, V]` logits held at
     once (`teacher_forced_logprobs` over `ceil(B / micro_batch_size)` micro-batches, the rows
     padded to a multiple of it); `logits_chunk_size` the positions of the LM head per chunk
-    (`head_logprobs`). Jitted: same shapes and dtypes never recompile. An id outside the
+    (`head_logprobs`). `evict_pos_bykt` (`RolloutResult.evictions(T)`): the logprobs of the
+    sparse policy the sampler ran, its evictions replayed in the attention (the engine's sparse
+    contract). Jitted: same shapes and dtypes never recompile. An id outside the
     vocabulary is a ValueError (`models.check_token_ids`).
     """
     if isinstance(model, nnx.GraphDef):
@@ -195,10 +202,19 @@ def dense_logprobs(
         raise ValueError(f"micro_batch_size must be None or >= 1, got {micro_batch_size}")
     m = 1 if micro_batch_size is None else -(-b // micro_batch_size)
     pad = m * -(-b // m) - b
+    if evict_pos_bykt is not None:
+        evict_pos_bykt = jnp.asarray(evict_pos_bykt, jnp.int32)
+        if evict_pos_bykt.ndim != 4 or evict_pos_bykt.shape[::3] != tokens_bt.shape:
+            raise ValueError(
+                f"evict_pos_bykt is {evict_pos_bykt.shape}, not [B, Y, K, T] for tokens "
+                f"{tokens_bt.shape}"
+            )
     if pad:
         # Padding rows (token 0 at position 0) only fill the last micro-batches; dropped below.
         tokens_bt = jnp.pad(tokens_bt, ((0, pad), (0, 0)))
         positions_bt = jnp.pad(positions_bt, ((0, pad), (0, 0)))
+        if evict_pos_bykt is not None:
+            evict_pos_bykt = jnp.pad(evict_pos_bykt, ((0, pad), (0, 0), (0, 0), (0, 0)))
     t = float(temperature) if temperature > 0 else 1.0
     logp_bt = _jitted(
         graphdef,
@@ -208,5 +224,6 @@ def dense_logprobs(
         temperature=t,
         num_micro_batches=m,
         chunk_size=logits_chunk_size,
+        evict_pos_bykt=evict_pos_bykt,
     )
     return logp_bt[:b] if pad else logp_bt

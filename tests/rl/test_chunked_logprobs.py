@@ -245,7 +245,7 @@ def test_learner_step_holds_no_sequence_logits():
     state = learner.init(model)
     batch = with_old(learner, state, make_batch(seed=7))  # T = 10: chunks of 4, 4, 1 + padding
     t = batch.tokens_bt.shape[1]
-    step = learner._compiled_step(False)
+    step = learner._compiled_step(batch)
     jaxpr = jax.make_jaxpr(step)(state, batch, jnp.int32(1))
     with_v = [a.shape for a in _avals(jaxpr.jaxpr) if v in getattr(a, "shape", ())]
     assert any(s[-2:] == (4, v) for s in with_v), with_v

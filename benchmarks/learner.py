@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from sparserl_jax.kvcache.evictions import NEVER
 from sparserl_jax.models import MODEL_PRESETS, ModelConfig, model_preset
 from sparserl_jax.rl.advantages import grpo_advantages
 from sparserl_jax.rl.config import LearnerConfig
@@ -59,6 +60,22 @@ def synthetic_batch(
     )
 
 
+def synthetic_evictions(
+    batch: RLBatch, *, layers: int, kv_heads: int, budget: int, seed: int = 0
+) -> RLBatch:
+    """`batch` with an eviction record per layer and KV head (`kvcache.evictions`) for
+    `learner.attention_mask=replay`: each key stays cached for a random span of up to
+    `2 * budget` later queries, or to the end with probability `budget / T`. Replay's cost does
+    not depend on which keys are evicted (the masked tiles are computed either way)."""
+    b, t = batch.tokens_bt.shape
+    k1, k2 = jax.random.split(jax.random.key(seed + 1))
+    shape = (b, layers, kv_heads, t)
+    span = jax.random.randint(k1, shape, 1, 2 * budget + 1, dtype=jnp.int32)
+    ev = jnp.arange(t, dtype=jnp.int32) + span
+    ev = jnp.where(jax.random.bernoulli(k2, budget / t, shape), NEVER, ev)
+    return batch._replace(evict_pos_bykt=ev)
+
+
 def benchmark_learner(
     model: nnx.Module,
     config: LearnerConfig,
@@ -75,7 +92,7 @@ def benchmark_learner(
     """
     learner = Learner(model, config, mesh=mesh)
     state = learner.init(model)
-    old = learner.logprobs(state.params, batch.tokens_bt)
+    old = learner.logprobs(state.params, batch.tokens_bt, batch.evict_pos_bykt)
     batch = batch._replace(old_logp_bt=old, sampler_logp_bt=old + batch.sampler_logp_bt)
     passes = config.gating.max_passes
 

@@ -44,7 +44,8 @@ __all__ = ["ARMS", "Study", "run_study", "summarise", "plot_study"]
 
 # Overrides per arm; everything else is the config's. "naive": the sparse sampler's tokens
 # trained on as if they were the dense policy's (no veto, no rejection, no reweighting);
-# "tis": truncated importance sampling alone (Yao et al. 2025), no rejection.
+# "tis": truncated importance sampling alone (Yao et al. 2025), no rejection; "replay": the
+# learner replays the sampler's evictions (the sparse policy itself, rho = 1 up to rounding).
 ARMS: dict[str, tuple[str, ...]] = {
     "dense": ("rollout.kv.policy=none",),
     "naive": (
@@ -55,6 +56,7 @@ ARMS: dict[str, tuple[str, ...]] = {
     "corrected": (),
     "tis": ("learner.correction.veto=false", "learner.correction.reject=false"),
     "adaptive": ("rollout.kv.adaptive.enabled=true",),
+    "replay": ("rollout.record_evictions=true", "learner.attention_mask=replay"),
 }
 # A run collapsed when its final held-out greedy reward (decoded as it was trained) is below
 # this fraction of the SFT start's, decoded the same way, or a step skipped a non-finite update.

@@ -189,7 +189,8 @@ def learner_inputs(
     model_cfg: ModelConfig, lcfg: LearnerConfig, devices: list, *, batch=8, seq_len=2048
 ) -> tuple:
     """(learner, state, batch, pass index) of `Learner`'s step (fp32 master weights, AdamW
-    state, no reference logprobs): abstract, placed on `devices` as the learner lays them out."""
+    state, no reference logprobs; with `learner.attention_mask=replay` an eviction record per
+    layer and KV head): abstract, placed on `devices` as the learner lays them out."""
     abstract = _abstract_model(model_cfg.replace(param_dtype="float32"))
     mesh = _mesh(devices)
     learner = Learner(abstract, lcfg, mesh=mesh)
@@ -209,6 +210,9 @@ def learner_inputs(
         jax.ShapeDtypeStruct((b, t), jnp.float32),
         None,
     )
+    if lcfg.attention_mask == "replay":
+        record = (b, model_cfg.num_layers, model_cfg.num_kv_heads, t)
+        rl_batch = rl_batch._replace(evict_pos_bykt=jax.ShapeDtypeStruct(record, jnp.int32))
     pass_index = jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is None:
         one = SingleDeviceSharding(devices[0])
@@ -216,7 +220,7 @@ def learner_inputs(
     else:
         state = _place(state, learner.state_shardings)
         bs = functools.partial(learner._batch_sharding, mesh)
-        rl_batch = RLBatch(*(_struct(x, bs(len(x.shape))) for x in rl_batch[:5]), None)
+        rl_batch = RLBatch(*(None if x is None else _struct(x, bs(len(x.shape))) for x in rl_batch))
         pass_index = _struct(pass_index, NamedSharding(mesh, PartitionSpec()))
     return learner, state, rl_batch, pass_index
 

@@ -37,7 +37,10 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
     sig = result["signature"]["8"] if "8" in result["signature"] else result["signature"][8]
     assert 0 <= sig["sparse_greedy"] <= 1 and 0 <= sig["dense_greedy"] <= 1
     cells = {c["arm"]: c for c in result["cells"]}
-    assert set(cells) == {"dense", "corrected"}
+    assert set(cells) == {"dense", "corrected", "replay"}
+    # Replay trains the sparse policy itself: its ratio to the sampler is 1 up to rounding.
+    assert cells["replay"]["evicted_fraction"]["mean"] > 0
+    assert cells["replay"]["mismatch_kl"]["mean"] < 1e-9 < cells["corrected"]["mismatch_kl"]["mean"]
     assert cells["dense"]["peak_kv_vs_dense"] == pytest.approx(1.0)
     assert cells["corrected"]["peak_kv_bytes"]["mean"] < cells["dense"]["peak_kv_bytes"]["mean"]
     assert cells["corrected"]["evicted_fraction"]["mean"] > 0

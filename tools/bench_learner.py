@@ -32,6 +32,7 @@ from benchmarks.learner import (
     benchmark_old_logp,
     model_config,
     synthetic_batch,
+    synthetic_evictions,
 )
 from sparserl_jax.models import Transformer
 from sparserl_jax.parallel import MeshConfig, make_mesh
@@ -59,6 +60,14 @@ def main() -> None:
     p.add_argument("--no-mesh", action="store_true", help="run on the default device only")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--attention-mask",
+        choices=["dense", "replay"],
+        default="dense",
+        help="replay: the learner replays a synthetic eviction record (per layer and KV head, "
+        "keys cached for up to 2 x --replay-budget queries)",
+    )
+    p.add_argument("--replay-budget", type=int, default=32)
+    p.add_argument(
         "--old-logp-passes",
         type=int,
         nargs="+",
@@ -75,6 +84,7 @@ def main() -> None:
         # Every step applies its update, so the timing is that of the full step.
         gating=DGGConfig(enabled=False),
         num_micro_batches=args.micro_batches,
+        attention_mask=args.attention_mask,
     )
     mesh = None if args.no_mesh else make_mesh(MeshConfig(fsdp=args.fsdp, tensor=args.tensor))
     batch = synthetic_batch(
@@ -85,6 +95,14 @@ def main() -> None:
         group_size=args.group_size,
         seed=args.seed,
     )
+    if args.attention_mask == "replay":
+        batch = synthetic_evictions(
+            batch,
+            layers=cfg.num_layers,
+            kv_heads=cfg.num_kv_heads,
+            budget=args.replay_budget,
+            seed=args.seed,
+        )
     if args.old_logp_passes:
         result = benchmark_old_logp(
             model,
@@ -104,7 +122,12 @@ def main() -> None:
         print(json.dumps(result))
         return
     result = benchmark_learner(model, learner_cfg, batch, steps=args.steps, mesh=mesh)
-    result.update(preset=args.preset, dtype=args.dtype, micro_batches=args.micro_batches)
+    result.update(
+        preset=args.preset,
+        dtype=args.dtype,
+        micro_batches=args.micro_batches,
+        attention_mask=args.attention_mask,
+    )
     print(
         f"{args.preset} {args.dtype} B={args.batch} T={args.seq_len} "
         f"M={args.micro_batches}: {result['tokens_per_s']:.0f} tokens/s, "

@@ -1,11 +1,12 @@
-"""Sparse-RL on our stack: dense vs naive sparse vs corrected (vs TIS only, vs the adaptive budget)
-rollouts from one shared SFT start (issue 18 item 2; docs/reproductions.md).
+"""Sparse-RL on our stack: dense vs naive sparse vs corrected (vs TIS only, vs the adaptive budget,
+vs eviction replay) rollouts from one shared SFT start (docs/reproductions.md).
 
     python tools/repro_sparse_rl.py                       # configs/repro_sparse_rl.yaml, all arms,
                                                           # budgets L/8, L/4, L/2, seeds 0 1 2
     python tools/repro_sparse_rl.py --budgets 36 --seeds 0 --steps 12 --arms dense naive corrected
-    python tools/repro_sparse_rl.py --quick               # configs/tiny.yaml, 2 steps, dense and
-                                                          # corrected, budget L/4, seed 0 (CI smoke)
+    python tools/repro_sparse_rl.py --quick               # configs/tiny.yaml, 2 steps, dense,
+                                                          # corrected and replay, budget L/4,
+                                                          # seed 0 (CI smoke)
     python tools/repro_sparse_rl.py --signature-only      # the SFT start decoded sparse vs dense
 
 Writes under --out: `sft/` (the shared warm start), `signature/b<B>/` (the SFT model decoded with
@@ -46,7 +47,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default 0 1 2")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--quick", action="store_true", help="tiny config, 2 steps, 2 arms, 1 budget")
+    p.add_argument("--quick", action="store_true", help="tiny config, 2 steps, 3 arms, 1 budget")
     p.add_argument(
         "--signature-only",
         action="store_true",
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
         study = Study(
             config=args.config or "configs/tiny.yaml",
             out_dir=str(out),
-            arms=tuple(args.arms or ("dense", "corrected")),
+            arms=tuple(args.arms or ("dense", "corrected", "replay")),
             budgets=tuple(args.budgets or (8,)),  # tiny: L = 8 + 24 = 32, L/4
             seeds=tuple(args.seeds or (0,)),
             steps=args.steps or 2,

@@ -20,12 +20,15 @@ turns auto into chunked. A kernel that cannot take the shapes (`unsupported_reas
 to chunked with one log line per reason, as `pallas_kernels._dispatch.choose_impl` does. Off its
 platform a kernel is refused, except splash, which runs in interpret mode (CPU tests).
 
-The target is the platform the program is lowered for, as for the paged kernels
-(`pallas_kernels._dispatch.by_platform`): the choice for a TPU and the one for any other platform
-are both traced and `jax.lax.platform_dependent` keeps, at lowering, the lowering platform's (a
-program traced on a CPU host and lowered for TPU devices holds compiled splash, never its
-interpreter). cuDNN is traced against the local library, so a GPU branch exists only in a
-process on a GPU.
+The target is the platform the program is lowered for. On an accelerator host (or under an
+accelerator's default device, as ahead-of-time compiles trace) that is the host's platform, and
+only its choice is traced. A CPU host may lower for TPU devices: there the choice for a TPU and
+the one for the CPU are both traced and `jax.lax.platform_dependent` keeps, at lowering, the
+lowering platform's (a program traced on a CPU host and lowered for TPU devices holds compiled
+splash, never its interpreter). Never both on an accelerator: differentiated, the switch would
+carry the union of both branches' residuals (0.35 GiB more temporaries in the Qwen2.5-0.5B step
+at T = 16384 on v5p). cuDNN is traced against the local library, so it exists only in a process
+on a GPU.
 
 Splash is a Mosaic call, which XLA cannot partition: inside a program traced under a mesh
 (`with_attention_mesh`, `jax.set_mesh` or `jax.sharding.use_abstract_mesh`; the learner's step
@@ -289,8 +292,11 @@ def causal_attention(
     """
     h = q_btnh.shape[3]
     here = _dispatch.target_platform()
-    # cuDNN is traced against the local library: a GPU branch only in a process on a GPU.
-    platforms = ("tpu", "gpu", "cpu") if here == "gpu" else ("tpu", "cpu")
+    # On an accelerator (or under one's default device, as ahead-of-time compiles trace) the
+    # program is lowered for it: one branch. Only a CPU host traces both TPU and CPU, chosen at
+    # lowering; there a differentiated `platform_dependent` carries the union of its branches'
+    # residuals (zeros for the branch not taken), which would cost the TPU step memory.
+    platforms = (here,) if here != "cpu" else ("tpu", "cpu")
     segmented = segment_ids_bt is not None
     if evict_pos_bkt is not None:
         if impl in ("splash", "cudnn"):
@@ -320,10 +326,7 @@ def causal_attention(
         return next(iter(built.values()))(*args)
     # The branch of the platform the program is lowered for, chosen at lowering (see the module
     # docstring): a TPU program holds compiled splash and never the interpreter.
-    gpu = branch.get("gpu", branch["cpu"])
-    return jax.lax.platform_dependent(
-        *args, tpu=branch["tpu"], cuda=gpu, rocm=gpu, default=branch["cpu"]
-    )
+    return jax.lax.platform_dependent(*args, tpu=branch["tpu"], default=branch["cpu"])
 
 
 def _attend(

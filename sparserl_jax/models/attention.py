@@ -156,7 +156,16 @@ def _splash_block(t: int, block: int) -> int:
 
 
 def _splash(
-    q_btnh, k_btkh, v_btkh, segment_ids_bt, *, block_q: int, block_kv: int, mesh, interpret: bool
+    q_btnh,
+    k_btkh,
+    v_btkh,
+    segment_ids_bt,
+    *,
+    block_q: int,
+    block_kv: int,
+    mesh,
+    interpret: bool,
+    switched: bool = False,
 ):
     b, t, n, h = q_btnh.shape
     kh = k_btkh.shape[2]
@@ -173,15 +182,22 @@ def _splash(
         block_q_dq=bq,
         block_kv_dq=bk,
     )
-    # Made where it is called: the kernel holds its mask tables as arrays, which must belong to
-    # the trace that uses them (a custom VJP's backward is traced after a platform-dependent
-    # branch's trace has ended).
     make_kernel = functools.partial(
         splash.make_splash_mqa_single_device,
         splash.MultiHeadMask([splash.CausalMask((tp, tp))] * g),
         block_sizes=sizes,
         interpret=interpret,
     )
+    # The kernel holds its mask tables as arrays. Built once here, every row and KV head shares
+    # them; built inside the rows' function, each call site holds its own copy (0.32 GiB more
+    # temporaries in the Qwen2.5-0.5B step at T = 16384 on v5p). In a `platform_dependent`
+    # branch they must belong to the trace that uses them (the custom VJP's backward is traced
+    # after the branch's trace has ended), so there they are built where the kernel is called.
+    shared = None if switched else make_kernel()
+
+    def kernel_here():
+        return shared if shared is not None else make_kernel()
+
     pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
     dt = q_btnh.dtype
     q_bkgth = jnp.pad(q_btnh, pad).reshape(b, tp, kh, g, h).transpose(0, 2, 3, 1, 4)
@@ -191,14 +207,14 @@ def _splash(
     if segment_ids_bt is None:
 
         def per_row(q_kgth, k_kth, v_kth):
-            return jax.vmap(make_kernel())(q_kgth, k_kth, v_kth)
+            return jax.vmap(kernel_here())(q_kgth, k_kth, v_kth)
 
         args = (q_bkgth, k_bkth, v_bkth)
     else:
 
         def per_row(q_kgth, k_kth, v_kth, seg_t):
             ids = splash.SegmentIds(q=seg_t, kv=seg_t)
-            kernel = make_kernel()
+            kernel = kernel_here()
             return jax.vmap(lambda q, k, v: kernel(q, k, v, segment_ids=ids))(q_kgth, k_kth, v_kth)
 
         seg = jnp.pad(segment_ids_bt.astype(jnp.int32), ((0, 0), (0, tp - t)))
@@ -306,21 +322,23 @@ def causal_attention(
             )
         if impl == "auto":
             impl = "chunked"
-    built: dict[tuple[str, bool], Callable] = {}
-    branch: dict[str, Callable] = {}
+    keys = {}  # platform -> (implementation, interpreted)
     for p in platforms:
         which = resolve_attention(impl, q_btnh.dtype, h, segmented=segmented, platform=p)
-        key = (which, which == "splash" and p != "tpu")
-        if key not in built:
-            built[key] = functools.partial(
-                _attend,
-                which=which,
-                interpret=key[1],
-                block_q=block_q,
-                block_kv=block_kv,
-                evict_pos_bkt=evict_pos_bkt,
-            )
-        branch[p] = built[key]
+        keys[p] = (which, which == "splash" and p != "tpu")
+    built = {
+        key: functools.partial(
+            _attend,
+            which=key[0],
+            interpret=key[1],
+            switched=len(set(keys.values())) > 1,
+            block_q=block_q,
+            block_kv=block_kv,
+            evict_pos_bkt=evict_pos_bkt,
+        )
+        for key in dict.fromkeys(keys.values())
+    }
+    branch = {p: built[key] for p, key in keys.items()}
     args = (q_btnh, k_btkh, v_btkh, segment_ids_bt)
     if len(built) == 1:
         return next(iter(built.values()))(*args)
@@ -330,9 +348,20 @@ def causal_attention(
 
 
 def _attend(
-    q_btnh, k_btkh, v_btkh, segment_ids_bt, *, which, interpret, block_q, block_kv, evict_pos_bkt
+    q_btnh,
+    k_btkh,
+    v_btkh,
+    segment_ids_bt,
+    *,
+    which,
+    interpret,
+    switched,
+    block_q,
+    block_kv,
+    evict_pos_bkt,
 ):
-    """`causal_attention` on implementation `which` (splash interpreted if `interpret`)."""
+    """`causal_attention` on implementation `which` (splash interpreted if `interpret`; a
+    branch of a `platform_dependent` if `switched`)."""
     b, t = q_btnh.shape[:2]
     if which == "dense":
         mask = dense_mask(t, segment_ids_bt, b, evict_pos_bkt)
@@ -360,5 +389,6 @@ def _attend(
             block_kv=block_kv,
             mesh=None if mesh.empty else mesh,
             interpret=interpret,
+            switched=switched,
         )
     return out.astype(q_btnh.dtype)

@@ -39,14 +39,12 @@ def paged_cache_for(
     )
     record = None
     if record_evictions:
-        y, _, k, t = record_shape(
+        record = record_shape(
             config.granularity,
             layers=model_cfg.num_layers,
-            batch=batch,
             kv_heads=model_cfg.num_kv_heads,
             max_len=max_len,
         )
-        record = (y, k, t)
     return PagedKVCache.create(
         num_layers=model_cfg.num_layers,
         batch=batch,

@@ -25,15 +25,30 @@ from jaxtyping import Array, Bool, Int
 NEVER = np.iinfo(np.int32).max  # a key that stays in the cache to the end of its sequence
 
 
-def record_shape(granularity: str, *, layers: int, batch: int, kv_heads: int, max_len: int):
-    """`[Y', B, K', T]` of the record for a compression `granularity` (module docstring)."""
+def record_shape(granularity: str, *, layers: int, kv_heads: int, max_len: int):
+    """`(Y', K', T)` of one slot's record for a compression `granularity` (module docstring)."""
     per_layer = granularity in ("layer", "head")
     per_head = granularity == "head"
-    return (layers if per_layer else 1, batch, kv_heads if per_head else 1, max_len)
+    return (layers if per_layer else 1, kv_heads if per_head else 1, max_len)
 
 
-def empty_record(shape: tuple[int, ...]) -> Int[Array, "Y B K T"]:
-    return jnp.full(shape, NEVER, jnp.int32)
+def empty_record(shape: tuple[int, int, int], batch: int) -> Int[Array, "Y B K T"]:
+    """The record of `batch` slots of `shape` = (Y', K', T), nothing evicted."""
+    y, k, t = shape
+    return jnp.full((y, batch, k, t), NEVER, jnp.int32)
+
+
+def checked_record(evict_pos_bykt, tokens_shape: tuple[int, int]) -> Int[Array, "B Y K T"]:
+    """`evict_pos_bykt` as int32, refused in one line unless it is `[B, Y, K, T]` for tokens
+    `[B, T]` (what a learner replays: `RolloutResult.evictions`)."""
+    ev = None if evict_pos_bykt is None else jnp.asarray(evict_pos_bykt, jnp.int32)
+    if ev is None or ev.ndim != 4 or ev.shape[::3] != tuple(tokens_shape):
+        raise ValueError(
+            "eviction replay needs the sampler's eviction record [B, Y, K, T] for tokens "
+            f"{tuple(tokens_shape)}, got {None if ev is None else ev.shape} "
+            "(rollout.record_evictions)"
+        )
+    return ev
 
 
 def record_evictions(
@@ -51,11 +66,12 @@ def record_evictions(
     pos_t = jnp.arange(t, dtype=jnp.int32)
     alive = (pos_t[None, None, None, :] < next_pos_b[None, :, None, None]) & (evict_ybkt == NEVER)
     rank = jnp.cumsum(alive.astype(jnp.int32), axis=-1) - 1  # the stored entry of a position
-    # kept[j]: stored entry j is kept (one spare column, never set, for ranks past the table).
-    width = max(t, int(keep_ybkj.shape[-1])) + 1
+    # kept[j]: stored entry j is kept (a row holds at most t entries; positions not alive have
+    # rank -1, clipped to 0, and are masked below).
+    width = max(t, int(keep_ybkj.shape[-1]))
     index = jnp.arange(y * b * k, dtype=jnp.int32).reshape(y, b, k, 1)
     kept = jnp.zeros((y * b * k, width), bool).at[index, keep_ybkj].set(True)
-    kept = jnp.take_along_axis(kept.reshape(y, b, k, width), jnp.clip(rank, 0, t), axis=-1)
+    kept = jnp.take_along_axis(kept.reshape(y, b, k, width), jnp.maximum(rank, 0), axis=-1)
     gone = alive & ~kept & rows_b[None, :, None, None]
     return jnp.where(gone, next_pos_b[None, :, None, None], evict_ybkt)
 

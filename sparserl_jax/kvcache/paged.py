@@ -133,9 +133,7 @@ class PagedKVCache:
             peak_pages=jnp.int32(0),
             q_window=q_window,
             attn_mass=attn_mass,
-            evict_pos=None
-            if evict_record is None
-            else evictions.empty_record((evict_record[0], batch) + tuple(evict_record[1:])),
+            evict_pos=None if evict_record is None else evictions.empty_record(evict_record, batch),
             impl=impl,
             mesh=mesh,
         )

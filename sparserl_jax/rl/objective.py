@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparserl_jax.kvcache.evictions import checked_record
 from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rl.correction import SparseRLCorrection, correction_rows, sparse_rl_weights
 from sparserl_jax.rl.losses import LOG_RATIO_BOUND, aggregation_weights, kl_penalty
@@ -197,14 +198,7 @@ def replayed_evictions(config: LearnerConfig, tokens_bt, evict_pos_bykt):
     None when dense; checked against the tokens when "replay"."""
     if config.attention_mask == "dense":
         return None
-    ev = None if evict_pos_bykt is None else jnp.asarray(evict_pos_bykt, jnp.int32)
-    if ev is None or ev.ndim != 4 or ev.shape[::3] != tokens_bt.shape:
-        raise ValueError(
-            "learner.attention_mask=replay needs the sampler's eviction record [B, Y, K, T] "
-            f"for tokens {tuple(tokens_bt.shape)}, got {None if ev is None else ev.shape} "
-            "(rollout.record_evictions)"
-        )
-    return ev
+    return checked_record(evict_pos_bykt, tokens_bt.shape)
 
 
 def first_pass_fallback(config: LearnerConfig) -> str | None:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from sparserl_jax.kvcache.evictions import checked_record
 from sparserl_jax.models.config import ModelConfig
 from sparserl_jax.models.transformer import check_token_ids, head_logits
 from sparserl_jax.rollout.sampling import entropy_from_logits, token_logprobs
@@ -203,12 +204,7 @@ def dense_logprobs(
     m = 1 if micro_batch_size is None else -(-b // micro_batch_size)
     pad = m * -(-b // m) - b
     if evict_pos_bykt is not None:
-        evict_pos_bykt = jnp.asarray(evict_pos_bykt, jnp.int32)
-        if evict_pos_bykt.ndim != 4 or evict_pos_bykt.shape[::3] != tokens_bt.shape:
-            raise ValueError(
-                f"evict_pos_bykt is {evict_pos_bykt.shape}, not [B, Y, K, T] for tokens "
-                f"{tokens_bt.shape}"
-            )
+        evict_pos_bykt = checked_record(evict_pos_bykt, tokens_bt.shape)
     if pad:
         # Padding rows (token 0 at position 0) only fill the last micro-batches; dropped below.
         tokens_bt = jnp.pad(tokens_bt, ((0, pad), (0, 0)))

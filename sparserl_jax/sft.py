@@ -41,6 +41,11 @@ class SFTConfig:
         the completion) is replaced by a wrong one, the rest of the completion kept. It
         simulates noisy SFT data: the warm-started model then often writes a wrong answer after
         a right derivation, a mistake a verifiable reward can teach it out of (the CPU demo).
+      corrupt_offset: 0 (default): a corrupted answer is off by a random 1..10 either way, so
+        the right answer stays the likeliest and greedy decoding mostly writes it. Non-zero:
+        every corrupted answer is off by exactly this much (a labeller's systematic mistake);
+        with `corrupt_answers` > 0.5 the wrong answer is then the likeliest one, greedy
+        decoding writes it, and only sampling finds the right one: what RL has to fix.
     """
 
     steps: int = 0
@@ -52,6 +57,7 @@ class SFTConfig:
     num_examples: int = 4096
     seed: int = 0
     corrupt_answers: float = 0.0
+    corrupt_offset: int = 0
 
     def __post_init__(self):
         if self.steps < 0:
@@ -74,12 +80,14 @@ class SFTConfig:
 _LAST_INT = re.compile(r"-?\d+(?!.*\d)", re.DOTALL)
 
 
-def corrupt_answer(completion: str, rng: np.random.Generator) -> str:
-    """`completion` with its last integer replaced by a different one (off by 1..10)."""
+def corrupt_answer(completion: str, rng: np.random.Generator, offset: int = 0) -> str:
+    """`completion` with its last integer replaced by a different one: off by `offset` when
+    non-zero, else by a random 1..10 either way."""
     m = _LAST_INT.search(completion)
     if m is None:
         return completion
-    wrong = int(m.group(0)) + int(rng.choice([-1, 1])) * int(rng.integers(1, 11))
+    delta = offset or int(rng.choice([-1, 1])) * int(rng.integers(1, 11))
+    wrong = int(m.group(0)) + delta
     return completion[: m.start()] + str(wrong) + completion[m.end() :]
 
 
@@ -131,7 +139,12 @@ def sft_warm_start(
     if cfg.corrupt_answers:
         noise = np.random.default_rng([cfg.seed, 1])
         pairs = [
-            (p, corrupt_answer(c, noise) if noise.random() < cfg.corrupt_answers else c)
+            (
+                p,
+                corrupt_answer(c, noise, cfg.corrupt_offset)
+                if noise.random() < cfg.corrupt_answers
+                else c,
+            )
             for p, c in pairs
         ]
     full = sft_batch(pairs, tokenizer, max_len=cfg.max_len)

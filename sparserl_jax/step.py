@@ -30,8 +30,9 @@ def rl_batch(
     result: RolloutResult, advantages_b: np.ndarray, seq_len: int, *, evictions: bool = False
 ) -> RLBatch:
     """The learner's batch: `result.sequences()` right-padded to the static width `seq_len`
-    (so the learner compiles once), with the advantages of every row, and the sampler's
-    eviction record when `evictions` (for `learner.attention_mask=replay`)."""
+    (so the learner compiles once), with the advantages of every row, the sampler's eviction
+    record when `evictions` (for `learner.attention_mask=replay`), and which tokens it drew
+    after its first eviction (a sparse rollout: the correction's rho percentiles)."""
     tokens, mask, logp = result.sequences()
     width = tokens.shape[1]
     if width > seq_len:
@@ -43,6 +44,7 @@ def rl_batch(
         advantages_b=np.asarray(advantages_b, np.float32),
         sampler_logp_bt=np.pad(logp, pad),
         evict_pos_bykt=result.evictions(seq_len) if evictions else None,
+        after_eviction_bt=result.after_eviction(seq_len),
     )
 
 

@@ -34,6 +34,13 @@ def test_corrupt_answer_changes_only_the_last_integer():
     assert corrupt_answer("no digits", rng) == "no digits"
 
 
+def test_corrupt_offset_is_systematic():
+    rng = np.random.default_rng(0)
+    text = "\n8+3+0=11, write 1 carry 1\nwrite 1\nanswer: 111"
+    assert {corrupt_answer(text, rng, 1) for _ in range(5)} == {text[:-3] + "112"}
+    assert corrupt_answer("answer: -5", rng, -10) == "answer: -15"
+
+
 def test_sft_config_errors_name_the_value():
     with pytest.raises(ValueError, match="corrupt_answers"):
         SFTConfig(corrupt_answers=1.0)

@@ -148,6 +148,11 @@ def encode_rollout(r: Rollout) -> bytes:
         **{k: np.asarray(getattr(res, k)) for k in _ARRAYS},
         # The eviction record, when the sampler kept one (`rollout.record_evictions`).
         **({} if res.evict_pos is None else {"evict_pos": np.asarray(res.evict_pos, np.int32)}),
+        **(
+            {}
+            if res.first_evicted is None
+            else {"first_evicted": np.asarray(res.first_evicted, np.int32)}
+        ),
     )
     return buf.getvalue()
 
@@ -158,7 +163,8 @@ def decode_rollout(blob: bytes) -> Rollout:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             meta = json.loads(z["meta"].tobytes())
             arrays = {k: z[k] for k in _ARRAYS}
-            arrays["evict_pos"] = z["evict_pos"] if "evict_pos" in z.files else None
+            for k in ("evict_pos", "first_evicted"):  # optional
+                arrays[k] = z[k] if k in z.files else None
             prompts = z["prompt_ids"]
     except (ValueError, KeyError, OSError, EOFError) as e:
         raise CorruptRolloutError(f"rollout blob does not decode: {e}") from None

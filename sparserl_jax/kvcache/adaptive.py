@@ -26,9 +26,10 @@ falls geometrically, while a rung that becomes viable later is still found.
 Why a ladder: the budget is static in the rollout engine (it sizes the page pool and the page
 table, and the compression's top-k), so each distinct budget is a separate engine with its own
 compiled programs. `budget_ladder` allows at most `levels` budgets, `min_budget` to
-`max_budget` in equal whole-page steps; engines are built once per rung and kept (their page
-pools are allocated per rollout and freed after it, so an idle rung holds only its compiled
-code), so a run compiles at most `levels` rollout engines whatever the controller does.
+`max_budget` in equal whole-page steps from the start budget; engines are built once per rung
+and kept (their page pools are allocated per rollout and freed after it, so an idle rung holds
+only its compiled code), so a run compiles at most `levels` rollout engines whatever the
+controller does.
 """
 
 from __future__ import annotations
@@ -37,31 +38,44 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from sparserl_jax.kvcache.config import CompressionConfig, cdiv
+from sparserl_jax.kvcache.config import CompressionConfig
 
 __all__ = ["BudgetController", "BudgetState", "budget_ladder"]
 
 
 def budget_ladder(kv: CompressionConfig, *, page_size: int, max_len: int) -> tuple[int, ...]:
-    """The budgets (tokens, ascending) the controller may pick: from `min_budget` (default
-    `kv.budget`) in steps of the smallest whole number of pages that needs at most
-    `kv.adaptive.levels` rungs, then `max_budget` (default `max_len`: nothing is evicted) as the
-    top rung (the last step may be shorter)."""
+    """The budgets (tokens, ascending) the controller may pick: the start budget `kv.budget`,
+    rungs above and below it in equal steps of the smallest whole number of pages that needs
+    at most `kv.adaptive.levels` rungs, and the two ends: `min_budget` (default: half the start
+    budget, above the window, so the budget can go down from where it starts) and `max_budget`
+    (default `max_len`: nothing is evicted; the steps next to either end may be shorter)."""
     ad = kv.adaptive
-    lo = kv.budget if ad.min_budget is None else ad.min_budget
+    start = kv.budget
+    lo = max(kv.window + 1, start // 2) if ad.min_budget is None else ad.min_budget
     hi = max_len if ad.max_budget is None else ad.max_budget
     if not lo < hi:
         raise ValueError(
             f"the adaptive budget needs min_budget < max_budget, got [{lo}, {hi}] (max_budget "
             f"defaults to the rollout length max_prompt_len + max_new_tokens = {max_len})"
         )
-    if not lo <= kv.budget <= hi:
+    if not lo <= start <= hi:
         raise ValueError(
-            f"budget ({kv.budget}) is where the adaptive budget starts: it must lie in "
+            f"budget ({start}) is where the adaptive budget starts: it must lie in "
             f"[min_budget, max_budget] = [{lo}, {hi}]"
         )
-    stride = max(1, cdiv(hi - lo, (ad.levels - 1) * page_size)) * page_size
-    return (*range(lo, hi, stride), hi)
+    if ad.levels < len({lo, start, hi}):
+        raise ValueError(
+            f"adaptive.levels={ad.levels} cannot hold min_budget {lo}, the start budget {start} "
+            f"and max_budget {hi}: use at least {len({lo, start, hi})}"
+        )
+
+    def rungs(stride: int) -> list[int]:
+        return sorted({lo, hi, *range(start, lo, -stride), *range(start, hi, stride)})
+
+    pages = 1
+    while len(rungs(pages * page_size)) > ad.levels:
+        pages += 1
+    return tuple(rungs(pages * page_size))
 
 
 class BudgetState(NamedTuple):

@@ -30,7 +30,8 @@ class AdaptiveBudgetConfig:
     stable run from a collapsing one). The law (`kvcache.adaptive.BudgetController`): after a
     step, p5 < target raises B one rung of the ladder at once; p5 > target + margin for
     `patience` steps in a row lowers it one rung; in between B holds. The ladder is `levels`
-    budgets from `min_budget` to `max_budget` in equal whole-page steps, so the rollout
+    budgets from `min_budget` to `max_budget` in equal whole-page steps through the start
+    budget, so the rollout
     programs compile at most once per rung (`kvcache.adaptive.budget_ladder`).
 
     Attributes:
@@ -38,7 +39,8 @@ class AdaptiveBudgetConfig:
       target: the p5 floor.
       margin: the hysteresis band: B is lowered only while p5 > target + margin.
       patience: steps in a row above the band before B is lowered (raising never waits).
-      min_budget: the lowest budget (tokens); None: `budget`.
+      min_budget: the lowest budget (tokens); None: half of `budget` (at least window + 1), so
+        the budget can go down from where it starts.
       max_budget: the highest budget (tokens); None: the rollout's whole length
         (`max_prompt_len + max_new_tokens`, where nothing is ever evicted).
       levels: the most rungs on the ladder (min and max included).

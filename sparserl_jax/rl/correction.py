@@ -178,7 +178,8 @@ class CorrectionMetrics(NamedTuple):
     token masked); `vetoed_seq_fraction`: sequences dropped by the veto alone;
     `masked_token_fraction`: valid tokens removed from the loss for any reason; `rho_*`: the
     clamped token ratio pi_old / mu over the valid tokens (min, mean, max, and the 1st and 5th
-    percentiles `rho_p1` / `rho_p5`, see `masked_percentile`: the tail that the mean hides,
+    percentiles `rho_p1` / `rho_p5`, see `masked_percentile`, over the tokens drawn after
+    the sampler's first eviction when the batch says which: the tail that the mean hides,
     after Sparrow, arXiv 2606.08446, which keeps p5 >= ~0.86); `mismatch_kl`: k3 estimate of
     KL(mu || pi_old), mean of `rho - 1 - log rho`; `ess`: normalised effective sample size of
     the token ratios, `(sum rho)^2 / (N sum rho^2)` in (0, 1].
@@ -327,6 +328,7 @@ def sparse_rl_weights(
     sampler_logp_bt: Float[Array, "B T"],
     mask_bt: Bool[Array, "B T"] | Float[Array, "B T"],
     config: SparseRLCorrectionConfig | None = None,
+    after_eviction_bt: Bool[Array, "B T"] | None = None,
 ) -> SparseRLCorrection:
     """The Sparse-RL rejection mask and importance weights for one batch (see module docstring).
 
@@ -335,6 +337,11 @@ def sparse_rl_weights(
       sampler_logp_bt: log mu of each sampled token, recorded by the (sparse) sampler.
       mask_bt: response tokens that enter the loss (padding and prompt False).
       config: which parts are on; `None` means the Sparse-RL defaults.
+      after_eviction_bt: the tokens the sparse sampler drew after its first eviction
+        (`RolloutResult.after_eviction`). Given, the percentiles `rho_p1` / `rho_p5` run over
+        the valid tokens among these only (1.0 when there are none): before any eviction the
+        sampler is the dense policy, so counting those tokens would make the tail depend on
+        how much of each sequence came before the budget filled. Nothing else changes.
 
     The batch mean used by `batch_normalize` runs over *this* whole batch: call it on the full
     rollout batch, before splitting into micro-batches (or split it yourself: `correction_rows`
@@ -361,6 +368,7 @@ def sparse_rl_weights(
     safe_n = jnp.maximum(n_valid, 1.0)
     has_tokens = n_valid > 0
     rho_sum = jnp.sum(rho_bt * m_bt)
+    tail_bt = valid_bt if after_eviction_bt is None else valid_bt & after_eviction_bt
     metrics = CorrectionMetrics(
         rejected_seq_fraction=jnp.sum(emptied_b.astype(jnp.float32)) / n_seq,
         vetoed_seq_fraction=jnp.sum((vetoed_b & seq_valid_b).astype(jnp.float32)) / n_seq,
@@ -368,8 +376,8 @@ def sparse_rl_weights(
         rho_min=jnp.where(has_tokens, jnp.min(jnp.where(valid_bt, rho_bt, jnp.inf)), 1.0),
         rho_mean=jnp.where(has_tokens, rho_sum / safe_n, 1.0),
         rho_max=jnp.where(has_tokens, jnp.max(jnp.where(valid_bt, rho_bt, -jnp.inf)), 1.0),
-        rho_p1=masked_percentile(rho_bt, valid_bt, 1),
-        rho_p5=masked_percentile(rho_bt, valid_bt, 5),
+        rho_p1=masked_percentile(rho_bt, tail_bt, 1),
+        rho_p5=masked_percentile(rho_bt, tail_bt, 5),
         mismatch_kl=jnp.sum((rho_bt - 1.0 - log_rho_bt) * m_bt) / safe_n,
         ess=jnp.where(
             has_tokens, rho_sum**2 / (safe_n * jnp.maximum(jnp.sum(rho_bt**2 * m_bt), 1e-30)), 1.0

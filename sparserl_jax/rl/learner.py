@@ -70,6 +70,7 @@ class RLBatch(NamedTuple):
     old_logp_bt: Float[Array, "B T"] | None = None
     ref_logp_bt: Float[Array, "B T"] | None = None
     evict_pos_bykt: Int[Array, "B Y K T"] | None = None  # replayed: learner.attention_mask
+    after_eviction_bt: Bool[Array, "B T"] | None = None  # the rho percentiles' tokens (sparse)
 
 
 class LearnerState(NamedTuple):
@@ -155,7 +156,9 @@ def train_step(
         (grads, head_grad, sums), old_mbt = jax.lax.scan(accumulate, (zeros, head0, sums0), micro)
         old_bt = None if old_mbt is None else join_micro_batches(old_mbt)
     if first_pass:
-        corr = sparse_rl_weights(old_bt, batch.sampler_logp_bt, batch.mask_bt, config.correction)
+        corr = sparse_rl_weights(
+            old_bt, batch.sampler_logp_bt, batch.mask_bt, config.correction, batch.after_eviction_bt
+        )
         if m > 1:  # the batch statistics, applied once to the unnormalised sums
             scale, tok_scale = first_pass_scales(corr, config)
             grads = jax.tree.map(lambda g: g * scale, grads)

@@ -108,7 +108,11 @@ def micro_inputs(
         per_token |= {"sampler_logp": batch.sampler_logp_bt, "response_mask": batch.mask_bt}
     else:
         corr = sparse_rl_weights(
-            batch.old_logp_bt, batch.sampler_logp_bt, batch.mask_bt, config.correction
+            batch.old_logp_bt,
+            batch.sampler_logp_bt,
+            batch.mask_bt,
+            config.correction,
+            batch.after_eviction_bt,
         )
         per_token |= loss_coefficients(corr.loss_mask_bt, corr.weights_bt, batch.mask_bt, config)
         per_token["old_logp"] = batch.old_logp_bt.astype(jnp.float32)

@@ -153,7 +153,9 @@ class RolloutResult:
     `stats`: generated_tokens, seconds, tokens_per_s, kv_peak_bytes (peak pages in use x bytes
     per page), chunks. `evict_pos` (with `RolloutConfig.record_evictions`, else None): int32
     `[R, Y', K', T]`, the first position that no longer saw each position's key
-    (`kvcache.evictions`), T = max_prompt_len + max_new.
+    (`kvcache.evictions`), T = max_prompt_len + max_new. `first_evicted` (a compressed cache,
+    else None): int32 `[R]`, the index of the first completion token sampled from logits that
+    an eviction had already affected (`NEVER` = int32 max when nothing was evicted in time).
     """
 
     prompt_ids: list[list[int]]
@@ -167,6 +169,7 @@ class RolloutResult:
     finished_by_stop: np.ndarray  # bool [R]
     stats: dict[str, Any]
     evict_pos: np.ndarray | None = None  # int32 [R, Y', K', T]
+    first_evicted: np.ndarray | None = None  # int32 [R]
 
     def sequences(self, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The learner's layout: `tokens_bt` = prompt ++ completion ++ padding (left-aligned,
@@ -184,6 +187,18 @@ class RolloutResult:
             mask[row, p : p + n] = True
             logp[row, p : p + n] = self.sampler_logprobs[row, :n]
         return tokens, mask, logp
+
+    def after_eviction(self, width: int) -> np.ndarray | None:
+        """bool `[R, width]` aligned with `sequences()`: the completion tokens sampled after the
+        row's first eviction (`first_evicted`); None for a dense rollout. The correction's
+        `rho` percentiles run over these tokens (`RLBatch.after_eviction_bt`)."""
+        if self.first_evicted is None:
+            return None
+        g = self.completion_ids.shape[1]
+        p = self.prompt_lens.astype(np.int64)[:, None]
+        first = np.minimum(self.first_evicted.astype(np.int64), g)[:, None]
+        col = np.arange(width)[None, :]
+        return (col >= p + first) & (col < p + self.completion_lens[:, None])
 
     def evictions(self, width: int) -> np.ndarray:
         """`evict_pos` aligned with `sequences()` padded to `width` columns (`NEVER` on the
@@ -212,6 +227,8 @@ class SlotState(NamedTuple):
     generated_s: jax.Array  # int32 [S]: completion tokens so far
     stopped_s: jax.Array  # bool [S]: ended on a stop token
     evicted_s: jax.Array  # int32 [S]: tokens evicted, frozen when the slot finishes
+    # int32 [S]: index of the first completion token sampled after an eviction (NEVER: none)
+    first_evicted_s: jax.Array
 
 
 class ChunkOut(NamedTuple):

@@ -45,7 +45,7 @@ from sparserl_jax.kvcache import (
     should_compress,
 )
 from sparserl_jax.kvcache.config import cdiv
-from sparserl_jax.kvcache.evictions import reset_rows
+from sparserl_jax.kvcache.evictions import NEVER, reset_rows
 from sparserl_jax.kvcache.paged import PoolExhaustedError
 from sparserl_jax.kvcache.rows import merge_slot_rows, set_slot_rows, slot_rows
 from sparserl_jax.models.transformer import check_token_ids
@@ -151,6 +151,7 @@ class RolloutEngine:
             generated_s=jnp.where(fill_s, zero_s, slots.generated_s),
             stopped_s=slots.stopped_s & ~fill_s,
             evicted_s=jnp.where(fill_s, zero_s, slots.evicted_s),
+            first_evicted_s=jnp.where(fill_s, NEVER, slots.first_evicted_s),
         )
         return cache, slots
 
@@ -167,6 +168,10 @@ class RolloutEngine:
         stop_s = emit_s & jnp.isin(tok_s, self.stop_ids)
         finish_s = emit_s & (stop_s | (generated_s >= cfg.max_new_tokens))
         live_s = emit_s & ~finish_s
+        # The logits this decode computes sample token `generated_s`: after an eviction when
+        # the cache it reads has lost an entry already.
+        hit_s = live_s & (cache.evicted_b > 0) & (slots.first_evicted_s == NEVER)
+        first_evicted_s = jnp.where(hit_s, generated_s, slots.first_evicted_s)
         logits_s1v, cache = model.decode(tok_s[:, None], cache, live_s[:, None])
         evicted_s = jnp.where(finish_s, cache.evicted_b, slots.evicted_s)
         # A finished sequence gives its pages back in the step it ends, not at the chunk's end.
@@ -180,6 +185,7 @@ class RolloutEngine:
             generated_s=generated_s,
             stopped_s=slots.stopped_s | stop_s,
             evicted_s=evicted_s,
+            first_evicted_s=first_evicted_s,
         )
         return cache, slots, (tok_s, logp_s, emit_s)
 
@@ -250,6 +256,7 @@ class RolloutEngine:
             generated_s=zero_s,
             stopped_s=jnp.zeros((s,), bool),
             evicted_s=zero_s,
+            first_evicted_s=jnp.full((s,), NEVER, jnp.int32),
         )
         return cache, slots
 
@@ -318,6 +325,7 @@ class RolloutEngine:
         out_logp = np.zeros((num_req, cfg.max_new_tokens), np.float32)
         lens = np.zeros(num_req, np.int32)
         evicted = np.zeros(num_req, np.int32)
+        first_evicted = np.full(num_req, NEVER, np.int32)
         stopped = np.zeros(num_req, bool)
         record = None  # [R, Y', K', T] when recording evictions
 
@@ -346,10 +354,10 @@ class RolloutEngine:
             cache, slots, out = self._chunk(params, cache, slots)
             chunks += 1
             host = jax.device_get(
-                (out, slots.active_s, slots.stopped_s, slots.evicted_s)
+                (out, slots.active_s, slots.stopped_s, slots.evicted_s, slots.first_evicted_s)
                 + (cache.num_pages_b, cache.free_top, cache.overflow_b)
             )
-            out_h, active, stop_s, evicted_s, pages_s, free_pages, overflow = host
+            out_h, active, stop_s, evicted_s, first_s, pages_s, free_pages, overflow = host
             if overflow.any():  # admission control makes this unreachable; never return garbage
                 raise PoolExhaustedError(f"KV pool overflowed in slots {np.flatnonzero(overflow)}")
             done = (slot_req >= 0) & ~active
@@ -364,6 +372,7 @@ class RolloutEngine:
                 lens[r] += k
                 if not active[slot]:
                     evicted[r], stopped[r] = evicted_s[slot], stop_s[slot]
+                    first_evicted[r] = first_s[slot]
                     slot_req[slot] = -1
         seconds = time.perf_counter() - start
         mask = np.arange(cfg.max_new_tokens)[None, :] < lens[:, None]
@@ -380,6 +389,7 @@ class RolloutEngine:
             weight_version=np.full(num_req, weight_version, np.int32),
             finished_by_stop=stopped,
             evict_pos=record,
+            first_evicted=first_evicted if cfg.sparse else None,
             stats={
                 "generated_tokens": generated,
                 "seconds": seconds,

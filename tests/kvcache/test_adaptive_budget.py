@@ -1,5 +1,6 @@
 """The adaptive KV budget: the ladder, the hysteresis control law, and its config checks."""
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -119,7 +120,20 @@ def test_restore_round_trip_and_checks():
 
 
 def test_ladder_page_steps_and_levels():
-    kv = CompressionConfig(budget=12, window=4, adaptive=AdaptiveBudgetConfig(enabled=True))
+    # By default the ladder reaches down to half the start budget (above the window), with the
+    # start budget a rung: 6, then 12 +- whole pages (2 of 4 tokens) up to 32.
+    down = CompressionConfig(budget=12, window=4, adaptive=AdaptiveBudgetConfig(enabled=True))
+    assert budget_ladder(down, page_size=4, max_len=32) == (6, 12, 20, 28, 32)
+    assert budget_ladder(down, page_size=1, max_len=16) == (6, 8, 10, 12, 14, 16)
+    with pytest.raises(ValueError, match="levels=2 cannot hold"):
+        budget_ladder(
+            dataclasses.replace(down, adaptive=AdaptiveBudgetConfig(enabled=True, levels=2)),
+            page_size=4,
+            max_len=32,
+        )
+    kv = CompressionConfig(
+        budget=12, window=4, adaptive=AdaptiveBudgetConfig(enabled=True, min_budget=12)
+    )
     # From 12 to 32 in 6 rungs at most: stride = ceil(20 / (5 * 4)) pages = 1 page of 4.
     assert budget_ladder(kv, page_size=4, max_len=32) == (12, 16, 20, 24, 28, 32)
     # A long rollout still gets at most `levels` rungs, each step a whole number of pages.
@@ -139,7 +153,7 @@ def test_config_section_and_validation():
         TINY, ["rollout.kv.adaptive.enabled=true", "rollout.kv.adaptive.max_budget=24"]
     )
     assert cfg.rollout.kv.adaptive.target == 0.86
-    assert cfg.rollout.kv_ladder == (12, 16, 20, 24)
+    assert cfg.rollout.kv_ladder == (6, 8, 12, 16, 20, 24)  # down to half the start
     assert load_config(TINY).rollout.kv.adaptive.enabled is False  # off by default
     with pytest.raises(ConfigError, match=r"unknown key 'rollout.kv.adaptive.targt'.*'target'"):
         load_config(TINY, ["rollout.kv.adaptive.targt=0.9"])
@@ -154,7 +168,10 @@ def test_config_section_and_validation():
         (["rollout.kv.adaptive.min_budget=16"], r"must lie in .*\[16, the rollout length\]"),
         (["rollout.kv.adaptive.min_budget=4"], r"min_budget \(4\) must exceed window"),
         (["rollout.kv.adaptive.max_budget=10"], r"\[12, 10\]"),
-        (["rollout.kv.budget=32"], r"min_budget < max_budget, got \[32, 32\]"),
+        (
+            ["rollout.kv.budget=32", "rollout.kv.adaptive.min_budget=32"],
+            r"min_budget < max_budget, got \[32, 32\]",
+        ),
         (["rollout.kv.policy=none"], "needs a compression policy"),
         # 7 pages hold a slot at budget 12 (6 pages) but not at the top rung, 32 (8).
         (["rollout.num_pages=7"], "num_pages=7 cannot hold one sequence"),

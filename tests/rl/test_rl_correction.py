@@ -257,3 +257,25 @@ def test_matches_per_sequence_reference(seed, reject_level, reweight_level, veto
     # Continuous random ratios never sit on a bound, so the masks must agree exactly.
     np.testing.assert_array_equal(out.loss_mask_bt, want_keep)
     np.testing.assert_allclose(out.weights_bt, want_w, rtol=2e-5, atol=1e-7)
+
+
+def test_percentiles_run_over_the_tokens_after_the_first_eviction():
+    # rho = 1, 1, 0.5, 0.2 on one row; the sampler evicted before its last two tokens.
+    old = jnp.log(jnp.array([[0.4, 0.4, 0.2, 0.1]]))
+    sampler = jnp.log(jnp.array([[0.4, 0.4, 0.4, 0.5]]))
+    mask = jnp.ones((1, 4), bool)
+    after = jnp.array([[False, False, True, True]])
+    tail = sparse_rl_weights(old, sampler, mask, None, after)
+    whole = sparse_rl_weights(old, sampler, mask)
+    # p5 of {0.2, 0.5}: 0.2 + 0.05 * 0.3; of all four: 0.2 + 0.15 * 0.3.
+    assert float(tail.metrics.rho_p5) == pytest.approx(0.215, rel=1e-5)
+    assert float(whole.metrics.rho_p5) == pytest.approx(0.245, rel=1e-5)
+    # Nothing else depends on it.
+    rest = ({**m.metrics._asdict(), "rho_p1": 0, "rho_p5": 0} for m in (tail, whole))
+    assert {k: float(v) for k, v in next(rest).items()} == {
+        k: float(v) for k, v in next(rest).items()
+    }
+    np.testing.assert_array_equal(tail.weights_bt, whole.weights_bt)
+    # No token after an eviction: no eviction mismatch to measure.
+    none = sparse_rl_weights(old, sampler, mask, None, jnp.zeros((1, 4), bool))
+    assert float(none.metrics.rho_p5) == float(none.metrics.rho_p1) == 1.0

@@ -33,7 +33,7 @@ import pytest
 
 from sparserl_jax.parallel import MeshConfig, make_mesh
 from sparserl_jax.rl.config import LossConfig, OptimizerConfig
-from sparserl_jax.rl.correction import SparseRLCorrectionConfig
+from sparserl_jax.rl.correction import SparseRLCorrectionConfig, sparse_rl_weights
 from sparserl_jax.rl.gating import DGGConfig
 from sparserl_jax.rl.learner import Learner
 from sparserl_jax.rl.objective import first_pass_fallback
@@ -210,3 +210,25 @@ def test_loop_rule_published_weights_and_staleness():
     assert "stale" in old_logp_recompute_reason(bf16, np.dtype("bfloat16"), 7, stale)
     kl = Learner(tiny_model(seed=1, num_layers=1), config(loss=LossConfig(kl_coef=1e-3)))
     assert "num_micro_batches" in old_logp_recompute_reason(kl, None, 7, fresh)
+
+
+def test_rho_percentiles_run_over_the_tokens_after_the_first_eviction():
+    """`RLBatch.after_eviction_bt` reaches the correction's percentiles on both paths: pi_old
+    given, and pi_old from the first pass."""
+    model = model_for("float32", False)
+    learner = Learner(model, learner_config(2, "dapo"))
+    batch = make_batch(seed=2)
+    old = learner.logprobs(learner.init(model).params, batch.tokens_bt)
+    batch = batch._replace(sampler_logp_bt=old + batch.sampler_logp_bt)
+    after = np.asarray(batch.mask_bt) & (np.arange(batch.tokens_bt.shape[1]) >= 6)
+    cfg = learner.config.correction
+    want = sparse_rl_weights(old, batch.sampler_logp_bt, batch.mask_bt, cfg, after).metrics
+    every = sparse_rl_weights(old, batch.sampler_logp_bt, batch.mask_bt, cfg).metrics
+    assert abs(float(want.rho_p5) - float(every.rho_p5)) > 1e-3  # the subset matters here
+    tagged = batch._replace(after_eviction_bt=after)
+    _, first, _ = learner.first_pass(learner.init(model), tagged)
+    _, given = learner.step(learner.init(model), tagged._replace(old_logp_bt=old))
+    for metrics in (first, given):
+        for k in ("rho_p1", "rho_p5"):
+            np.testing.assert_allclose(metrics[f"correction/{k}"], getattr(want, k), rtol=1e-5)
+        np.testing.assert_allclose(metrics["correction/rho_mean"], every.rho_mean, rtol=1e-5)

@@ -67,6 +67,25 @@ def test_replayed_logprobs_equal_the_sparse_sampler(policy, granularity):
     gap = _check_replay(model, res)
     # Without the replay the learner sees another policy: the contract above is not vacuous.
     assert gap > 1e-3
+    _check_first_evicted(res)
+
+
+def _check_first_evicted(res):
+    """`first_evicted` against the record: the first query that lost a key, at position q,
+    computes the logits of completion token q + 1 - prompt_len (if that token was drawn)."""
+    r = len(res.completion_lens)
+    q = res.evict_pos.reshape(r, -1).min(1).astype(np.int64)
+    i = q + 1 - res.prompt_lens
+    want = np.where((q < NEVER) & (i < res.completion_lens), i, NEVER)
+    np.testing.assert_array_equal(res.first_evicted, want)
+    assert (want < NEVER).any()
+    t = res.sequences()[0].shape[1]
+    after = res.after_eviction(t)
+    for row in range(r):
+        p, n, f = res.prompt_lens[row], res.completion_lens[row], min(want[row], MAX_NEW)
+        expect = np.zeros(t, bool)
+        expect[p + f : p + n] = True
+        np.testing.assert_array_equal(after[row], expect)
 
 
 def test_the_learner_replays_for_pi_old_and_refuses_without_a_record():
@@ -116,6 +135,7 @@ def test_a_dense_rollout_records_nothing_evicted_and_replays_to_dense():
     )
     res = RolloutEngine(model, cfg).generate(PROMPTS)
     assert (res.evict_pos == NEVER).all() and res.evict_pos.shape[1:3] == (1, 1)
+    assert res.first_evicted is None and res.after_eviction(40) is None
     tokens_bt, mask_bt, sampler_bt = res.sequences()
     replay = np.asarray(
         dense_logprobs(model, None, tokens_bt, evict_pos_bykt=res.evictions(tokens_bt.shape[1]))

@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 from sparserl_jax.kvcache import CompressionConfig
+from sparserl_jax.kvcache.evictions import NEVER
 from sparserl_jax.models.cache import DenseKVCache
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine
 from sparserl_jax.rollout.engine import SlotState
@@ -47,6 +48,7 @@ class OldPrefillEngine(RolloutEngine):
             generated_s=jnp.where(fill_s, zero_s, slots.generated_s),
             stopped_s=slots.stopped_s & ~fill_s,
             evicted_s=jnp.where(fill_s, zero_s, slots.evicted_s),
+            first_evicted_s=jnp.where(fill_s, NEVER, slots.first_evicted_s),
         )
         return cache, slots
 

@@ -52,6 +52,7 @@ def _result(rows=4, width=6, seed=0):
         weight_version=np.full(rows, 7, np.int32),
         finished_by_stop=mask[:, -1] == 0,
         stats={"tokens_per_s": 12.5, "chunks": 3, "skipped": [1, 2]},
+        first_evicted=rng.integers(0, width, rows).astype(np.int32),
     )
 
 
@@ -111,7 +112,8 @@ def test_rollout_blob_round_trip_and_checksum(tmp_path, which):
     back = ex.rollout(3)
     assert (back.item, back.sampler, back.epoch, back.weight_version) == (3, "s1", 2, 7)
     assert back.state_digest == "abc" and back.result.prompt_ids == res.prompt_ids
-    for k in ("completion_ids", "sampler_logprobs", "completion_mask", "tokens_evicted"):
+    fields = ("completion_ids", "sampler_logprobs", "completion_mask", "tokens_evicted")
+    for k in (*fields, "first_evicted"):
         np.testing.assert_array_equal(getattr(back.result, k), getattr(res, k))
         assert getattr(back.result, k).dtype == getattr(res, k).dtype
     assert back.result.stats == {"tokens_per_s": 12.5, "chunks": 3}

@@ -8,7 +8,11 @@ The study (`tools/repro_sparse_rl.py` is its command line):
    fresh optimizer state, no data-iterator state, so the resumed run is the run that would have
    followed its own SFT stage, `tests/test_repro_sparse_rl.py` checks it row for row).
 2. **The signature**: the SFT model's held-out greedy reward decoded with the sparse cache at each
-   budget over the same model decoded densely, before any training (`train.steps=0` on a copy).
+   budget over the same model decoded densely, before any training (`train.steps=0` on a copy),
+   and one RL step's correction metrics on its sparse rollouts (mismatch KL, rho p5, evicted
+   fraction); StreamingLLM at L/4 as the floor. At L/4 it must fall inside `SIGNATURE` (eviction
+   hurts but does not kill, half the KV evicted, a mismatch to correct): otherwise the study
+   says which part fails and runs no arm (`check_signature`).
 3. **The arms** (`ARMS`), each run by `sparserl_jax.train.train` with dotted overrides only: the
    same prompts (`data.seed`), hyperparameters and step count everywhere; a seed is `train.seed`
    (the rollout keys). The dense arm does not depend on the budget: it runs once per seed, and
@@ -40,7 +44,15 @@ from sparserl_jax.config import Config, load_config, to_dict
 from sparserl_jax.data import PromptLimit, encode_prompts, eval_examples
 from sparserl_jax.metrics import read_metrics
 
-__all__ = ["ARMS", "Study", "run_study", "summarise", "plot_study"]
+__all__ = [
+    "ARMS",
+    "SIGNATURE",
+    "Study",
+    "run_study",
+    "signature_failures",
+    "summarise",
+    "plot_study",
+]
 
 # Overrides per arm; everything else is the config's. "naive": the sparse sampler's tokens
 # trained on as if they were the dense policy's (no veto, no rejection, no reweighting);
@@ -61,12 +73,20 @@ ARMS: dict[str, tuple[str, ...]] = {
 # A run collapsed when its final held-out greedy reward (decoded as it was trained) is below
 # this fraction of the SFT start's, decoded the same way, or a step skipped a non-finite update.
 COLLAPSE_FRACTION = 0.5
+# The pre-flight signature at B = L/4 (the SFT start, before any arm): where the claim can be
+# tested. key: (low, high (exclusive), why); None = open.
+SIGNATURE: dict[str, tuple[float | None, float | None, str]] = {
+    "ratio": (0.5, 0.9, "sparse greedy reward over dense: eviction must hurt, but not kill"),
+    "evicted_fraction": (0.5, None, "at least half the KV entries evicted"),
+    "mismatch_kl": (0.02, 0.3, "a mismatch the correction can see and still correct"),
+    "rho_p5": (None, 0.86, "the ratio's tail below Sparrow's 0.86: something to reject"),
+}
 _QUIET = ("train.progress=false", "train.plot=false")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Study:
-    """What to run. `budgets`: KV budgets in tokens (None: L/8, L/4, L/2 of the config's rollout
+    """What to run. `budgets`: KV budgets in tokens (None: L/8 and L/4 of the config's rollout
     length L = max_prompt_len + max_new_tokens); `overrides`: applied to every run first."""
 
     config: str
@@ -76,6 +96,7 @@ class Study:
     seeds: tuple[int, ...] = (0, 1, 2)
     steps: int | None = None  # None: the config's train.steps
     overrides: tuple[str, ...] = ()
+    check_signature: bool = True  # stop before the arms when `SIGNATURE` fails at L/4
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -92,7 +113,7 @@ class Study:
         if self.budgets:
             return tuple(self.budgets)
         length = self.cfg().rollout.max_len
-        return (length // 8, length // 4, length // 2)
+        return (length // 8, length // 4)
 
 
 def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
@@ -228,25 +249,28 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
     base = study.cfg()
     prompt_tokens = _mean_prompt_tokens(base)
 
-    # 2. The signature: the SFT model decoded sparse vs dense at each budget, no training.
-    signature = {}
-    for b in budgets:
-        run_dir = out / "signature" / f"b{b}"
-        cfg = study.cfg(
-            f"run_dir={run_dir}", "train.steps=0", f"rollout.kv.budget={b}", "train.eval_dense=true"
-        )
-        _run(cfg, sft_dir, 0, log)
-        row = read_metrics(run_dir)[0]
-        sparse, dense = row["val/greedy_reward_mean"], row["val/dense_greedy_reward_mean"]
-        signature[b] = {
-            "sparse_greedy": sparse,
-            "dense_greedy": dense,
-            "ratio": sparse / dense if dense else None,
-            "sparse_sampled": row["val/reward_mean"],
-            "sparse_response_length": row["val/greedy_response_length_mean"],
-            "dense_response_length": row["val/dense_greedy_response_length_mean"],
-        }
-        log(f"signature b={b}: sparse {sparse:.3f} / dense {dense:.3f}")
+    # 2. The signature: the SFT start at each budget (and at L/4, where it is checked),
+    #    decoded sparse vs dense and through one RL step's correction, before any arm runs.
+    quarter = base.rollout.max_len // 4
+    signature = {
+        b: _signature(study, out, sft_dir, b, prompt_tokens, floor=b == quarter, log=log)
+        for b in sorted({*budgets, quarter})
+    }
+    failures = signature_failures(signature[quarter]) if study.check_signature else []
+    for f in failures:
+        log(f"signature at L/4 = {quarter} fails: {f}")
+    record = {
+        "config": study.config,
+        "budgets": list(budgets),
+        "rollout_length": base.rollout.max_len,
+        "prompt_tokens_mean": prompt_tokens,
+        "signature": signature,
+        "signature_failures": failures,
+        "runs": [],
+        "wall_s": time.perf_counter() - t0,
+    }
+    if failures:  # the arms could not test the claim: stop before spending hours on them
+        return record
 
     # 3. The arms.
     runs: list[dict[str, Any]] = []
@@ -272,15 +296,80 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                     runs[-1]["sparse_decoded"] = _decode_sparse(
                         study, run_dir, cfg.train.steps, budgets, log
                     )
-    return {
-        "config": study.config,
-        "budgets": list(budgets),
-        "rollout_length": base.rollout.max_len,
-        "prompt_tokens_mean": prompt_tokens,
-        "signature": signature,
-        "runs": runs,
-        "wall_s": time.perf_counter() - t0,
+    return record | {"runs": runs, "wall_s": time.perf_counter() - t0}
+
+
+def _signature(
+    study: Study, out: Path, sft_dir: Path, b: int, prompt_tokens: float, *, floor: bool, log
+) -> dict[str, Any]:
+    """The SFT start at budget `b`: held-out greedy and sampled reward decoded sparse and dense
+    (an evaluation only), and the correction's view of one RL step's sparse rollouts (mismatch
+    KL, rho p5 over the tokens drawn after the first eviction, evicted fraction). `floor`:
+    also StreamingLLM at the same budget, its sinks covering the prompt (the policy to beat)."""
+    sig_dir = out / "signature"
+    cfg = study.cfg(
+        f"run_dir={sig_dir / f'b{b}'}",
+        "train.steps=0",
+        f"rollout.kv.budget={b}",
+        "train.eval_dense=true",
+    )
+    _run(cfg, sft_dir, 0, log)
+    row = read_metrics(cfg.run_dir)[0]
+    sparse, dense = row["val/greedy_reward_mean"], row["val/dense_greedy_reward_mean"]
+    step_cfg = study.cfg(
+        f"run_dir={sig_dir / f'b{b}_step'}",
+        "train.steps=1",
+        "train.eval_examples=0",
+        f"rollout.kv.budget={b}",
+    )
+    _run(step_cfg, sft_dir, 0, log)
+    rec = run_record([{}, *read_metrics(step_cfg.run_dir)], step_cfg, prompt_tokens)
+    sig = {
+        "sparse_greedy": sparse,
+        "dense_greedy": dense,
+        "ratio": sparse / dense if dense else None,
+        "sparse_sampled": row["val/reward_mean"],
+        "dense_sampled": row["val/dense_reward_mean"],
+        "sparse_response_length": row["val/greedy_response_length_mean"],
+        "dense_response_length": row["val/dense_greedy_response_length_mean"],
+        **{k: rec[k] for k in ("evicted_fraction", "mismatch_kl", "rho_p5", "peak_kv_bytes")},
+        "masked_token_fraction": rec["masked_token_fraction"],
+        "rejected_seq_fraction": rec["rejected_seq_fraction"],
     }
+    if floor:
+        sinks = min(cfg.rollout.max_prompt_len, b - cfg.rollout.kv.window)
+        stream = study.cfg(
+            f"run_dir={sig_dir / f'b{b}_streaming'}",
+            "train.steps=0",
+            f"rollout.kv.budget={b}",
+            "rollout.kv.policy=streaming",
+            f"rollout.kv.sink_tokens={sinks}",
+        )
+        _run(stream, sft_dir, 0, log)
+        sig["streaming_greedy"] = read_metrics(stream.run_dir)[0]["val/greedy_reward_mean"]
+    log(
+        f"signature b={b}: greedy sparse {sparse:.3f} / dense {dense:.3f}, evicted "
+        f"{sig['evicted_fraction']:.2f}, mismatch KL {sig['mismatch_kl']:.3f}, rho p5 "
+        f"{sig['rho_p5']:.3f}"
+        + (f", StreamingLLM greedy {sig['streaming_greedy']:.3f}" if floor else "")
+    )
+    return sig
+
+
+def signature_failures(sig: dict[str, Any]) -> list[str]:
+    """What of `SIGNATURE` the signature at L/4 misses (empty: the study can test the claim)."""
+    failures = []
+    for key, (lo, hi, why) in SIGNATURE.items():
+        v = sig.get(key)
+        if v is None or (lo is not None and v < lo) or (hi is not None and v >= hi):
+            span = (
+                f"[{lo}, {hi})"
+                if lo is not None and hi is not None
+                else (f">= {lo}" if lo is not None else f"< {hi}")
+            )
+            shown = "missing" if v is None else f"{v:.3f}"
+            failures.append(f"{key} = {shown}, needs {span}: {why}")
+    return failures
 
 
 def _decode_sparse(

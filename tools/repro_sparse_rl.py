@@ -2,12 +2,16 @@
 vs eviction replay) rollouts from one shared SFT start (docs/reproductions.md).
 
     python tools/repro_sparse_rl.py                       # configs/repro_sparse_rl.yaml, all arms,
-                                                          # budgets L/8, L/4, L/2, seeds 0 1 2
+                                                          # budgets L/8, L/4, seeds 0 1 2
     python tools/repro_sparse_rl.py --budgets 36 --seeds 0 --steps 12 --arms dense naive corrected
     python tools/repro_sparse_rl.py --quick               # configs/tiny.yaml, 2 steps, dense,
                                                           # corrected and replay, budget L/4,
                                                           # seed 0 (CI smoke)
     python tools/repro_sparse_rl.py --signature-only      # the SFT start decoded sparse vs dense
+
+The signature at L/4 is checked before any arm runs (`SIGNATURE` in the logic module): when it
+fails, the tool prints which part on stderr and in the JSON (`signature_failures`), runs no arm
+and exits with status 2 (`--no-signature-check` runs the arms anyway; `--quick` never checks).
 
 Writes under --out: `sft/` (the shared warm start), `signature/b<B>/` (the SFT model decoded with
 each budget, no training), `runs/<arm>_s<seed>[_b<B>]/` (each run's metrics.jsonl), `raw.json`,
@@ -43,7 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--config", default=None, help="default configs/repro_sparse_rl.yaml")
     p.add_argument("--out", default="runs/repro_sparse_rl_study")
     p.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=None)
-    p.add_argument("--budgets", nargs="+", type=int, default=None, help="default L/8 L/4 L/2")
+    p.add_argument("--budgets", nargs="+", type=int, default=None, help="default L/8 L/4")
+    p.add_argument("--no-signature-check", action="store_true")
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default 0 1 2")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> dict:
             seeds=tuple(args.seeds or (0,)),
             steps=args.steps or 2,
             overrides=(*QUICK, *args.set),
+            check_signature=False,
         )
     else:
         study = Study(
@@ -84,6 +90,7 @@ def main(argv: list[str] | None = None) -> dict:
             seeds=tuple(args.seeds) if args.seeds else (0, 1, 2),
             steps=args.steps,
             overrides=tuple(args.set),
+            check_signature=not args.no_signature_check,
         )
     raw = run_study(study, log=lambda m: print(m, file=sys.stderr, flush=True))
     (out / "raw.json").write_text(json.dumps(raw, indent=1))
@@ -93,6 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
         "budgets": raw["budgets"],
         "seeds": list(study.seeds),
         "signature": raw["signature"],
+        "signature_failures": raw["signature_failures"],
         **summarise(raw),
         "plot": str(plot_study(raw, out / "curves.png")),
         "wall_s": round(raw["wall_s"], 1),
@@ -102,4 +110,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(2 if main()["signature_failures"] else 0)

@@ -20,6 +20,12 @@ Evicting older lines from the KV cache loses nothing the next token needs (the r
 regime of R-KV and Sparse-RL), where the column scratchpad's answer line needs a digit from
 every line.
 
+`scratchpad: repeat` (multiplication only) computes `a*b` as b additions of a, one line each:
+the count so far and the running sum, `7*40=` -> `1: 7`, `2: 14`, ..., `40: 280`,
+`answer: 280`. Completions are long (b + 1 lines for b in `[min_repeats, max_repeats]`) while
+what the next line needs is small: the prompt (a, and b to know when to stop) and the line
+above, so a KV budget of a few lines holds the whole working set.
+
 Subtraction with `a < b` first writes `a<b, so compute b-a and negate`. Division is exact (the
 dividend is drawn as divisor * quotient) and runs long division: `cur/b=q rem r` per dividend digit.
 
@@ -118,11 +124,16 @@ def _running_add_lines(a: int, b: int) -> list[str]:
             return lines
 
 
+def _repeat_lines(a: int, b: int) -> list[str]:
+    return [f"{k}: {a * k}" for k in range(1, b + 1)]
+
+
 def solve(a: int, op: str, b: int, *, scratchpad: str = "columns") -> tuple[int, str]:
     """The exact result of `a op b` and its ideal completion (scratchpad + answer line).
 
     Division must be exact (`a % b == 0`); operands are non-negative integers. `scratchpad`:
-    `columns` (every operator) or `running` (`+` only; the module docstring shows both).
+    `columns` (every operator), `running` (`+` only) or `repeat` (`*` only, b >= 1); the
+    module docstring shows them.
     """
     if a < 0 or b < 0:
         raise ValueError(f"operands must be non-negative, got {a}, {b}")
@@ -130,8 +141,12 @@ def solve(a: int, op: str, b: int, *, scratchpad: str = "columns") -> tuple[int,
         if op != "+":
             raise ValueError(f"the running scratchpad is for '+' only, got {op!r}")
         result, lines = a + b, _running_add_lines(a, b)
+    elif scratchpad == "repeat":
+        if op != "*" or b < 1:
+            raise ValueError(f"the repeat scratchpad is for a*b with b >= 1, got {a}{op}{b}")
+        result, lines = a * b, _repeat_lines(a, b)
     elif scratchpad != "columns":
-        raise ValueError(f"scratchpad {scratchpad!r} unknown; expected columns or running")
+        raise ValueError(f"scratchpad {scratchpad!r} unknown; expected columns, running or repeat")
     elif op == "+":
         result, lines = a + b, _add_lines(a, b)
     elif op == "-":
@@ -151,7 +166,8 @@ def longest_arithmetic_prompt(cfg: ArithmeticConfig) -> int:
     """An upper bound on the characters of any prompt `a<op>b=` of `cfg`: `b` has at most
     `max_digits` digits, `a` too except for `/`, where `a = b * q` has up to twice as many."""
     a_digits = cfg.max_digits * (2 if "/" in cfg.operators else 1)
-    return a_digits + 1 + cfg.max_digits + 1
+    b_digits = len(str(cfg.max_repeats)) if cfg.scratchpad == "repeat" else cfg.max_digits
+    return a_digits + 1 + b_digits + 1
 
 
 def make_arithmetic_example(cfg: ArithmeticConfig, *, seed: int, split: str, index: int) -> Example:
@@ -160,7 +176,10 @@ def make_arithmetic_example(cfg: ArithmeticConfig, *, seed: int, split: str, ind
     op = cfg.operators[int(rng.integers(len(cfg.operators)))]
     n_a = int(rng.integers(cfg.min_digits, cfg.max_digits + 1))
     n_b = int(rng.integers(cfg.min_digits, cfg.max_digits + 1))
-    if op == "/":
+    if cfg.scratchpad == "repeat":
+        a = _draw(rng, n_a, positive=True)
+        b = int(rng.integers(cfg.min_repeats, cfg.max_repeats + 1))
+    elif op == "/":
         b = _draw(rng, n_b, positive=True)
         a = b * _draw(rng, n_a)
     else:

@@ -24,8 +24,11 @@ class ArithmeticConfig:
       min_digits, max_digits: each operand has a digit count drawn uniformly from this range
         (for `/` the divisor and the quotient do, so the dividend is exact and about twice as long).
       operators: drawn uniformly per problem, a subset of `+ - * /`.
-      scratchpad: `columns` (a line per column) or `running` (`+` only: every line restates
-        the remaining operands, the carry and the sum so far, see `data/arithmetic.py`).
+      scratchpad: `columns` (a line per column), `running` (`+` only: every line restates
+        the remaining operands, the carry and the sum so far) or `repeat` (`*` only: `a*b` as
+        b additions of a, one short line per addition; see `data/arithmetic.py`).
+      min_repeats, max_repeats: with `repeat`, the multiplier b is drawn from this range (so the
+        completion has b + 1 lines); a has min..max_digits digits as usual.
       num_examples: size of one epoch of distinct problem indices (problems are a pure function of
         `(seed, split, index)`, so this costs no memory).
     """
@@ -33,7 +36,9 @@ class ArithmeticConfig:
     min_digits: int = 1
     max_digits: int = 3
     operators: tuple[str, ...] = ("+", "-")
-    scratchpad: Literal["columns", "running"] = "columns"
+    scratchpad: Literal["columns", "running", "repeat"] = "columns"
+    min_repeats: int = 40
+    max_repeats: int = 70
     num_examples: int = 100_000
 
     def __post_init__(self):
@@ -51,9 +56,19 @@ class ArithmeticConfig:
             raise ValueError(f"arithmetic.operators has repeats: {self.operators}")
         if self.num_examples < 1:
             raise ValueError(f"arithmetic.num_examples must be >= 1, got {self.num_examples}")
-        if self.scratchpad not in ("columns", "running"):
+        if self.scratchpad not in ("columns", "running", "repeat"):
             raise ValueError(
-                f"arithmetic.scratchpad {self.scratchpad!r} unknown; expected columns or running"
+                f"arithmetic.scratchpad {self.scratchpad!r} unknown; expected columns, running "
+                "or repeat"
+            )
+        if self.scratchpad == "repeat" and self.operators != ("*",):
+            raise ValueError(
+                f"arithmetic.scratchpad=repeat is for '*' only, got operators={self.operators}"
+            )
+        if not 1 <= self.min_repeats <= self.max_repeats:
+            raise ValueError(
+                "arithmetic repeats need 1 <= min_repeats <= max_repeats, got "
+                f"min_repeats={self.min_repeats}, max_repeats={self.max_repeats}"
             )
         if self.scratchpad == "running" and self.operators != ("+",):
             raise ValueError(

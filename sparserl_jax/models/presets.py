@@ -86,6 +86,10 @@ _PRESETS = {
         family="qwen2", vocab_size=96, hidden_size=128, num_layers=2, num_heads=4,
         num_kv_heads=2, head_dim=32, intermediate_size=384, qkv_bias=True, tie_embeddings=True,
     ),
+    "char-study": ModelConfig(  # configs/repro_sparse_rl.yaml, the Sparse-RL study (1.6M)
+        family="qwen2", vocab_size=96, hidden_size=192, num_layers=4, num_heads=6,
+        num_kv_heads=2, head_dim=32, intermediate_size=512, qkv_bias=True, tie_embeddings=True,
+    ),
     # ---- benchmarks (random weights; docs/results.md's figures come from these) -----------
     # benchmarks/loco.py (`tools/bench_loco.py --preset tiny|small|base`).
     "loco-tiny": ModelConfig(

@@ -10,6 +10,7 @@ from sparserl_jax.data import (
     make_arithmetic_example,
     solve,
 )
+from sparserl_jax.data.arithmetic import longest_arithmetic_prompt
 from sparserl_jax.models import CharTokenizer
 
 
@@ -181,3 +182,29 @@ def test_running_scratchpad_is_addition_only():
         solve(5, "-", 3, scratchpad="running")
     with pytest.raises(ValueError, match="scratchpad"):
         ArithmeticConfig(operators=("+", "*"), scratchpad="running")
+
+
+def test_repeat_scratchpad_hand_written_and_config():
+    assert solve(7, "*", 3, scratchpad="repeat") == (21, "\n1: 7\n2: 14\n3: 21\nanswer: 21")
+    with pytest.raises(ValueError, match="repeat"):
+        solve(7, "+", 3, scratchpad="repeat")
+    with pytest.raises(ValueError, match="b >= 1"):
+        solve(7, "*", 0, scratchpad="repeat")
+    with pytest.raises(ValueError, match="'\\*' only"):
+        ArithmeticConfig(operators=("+",), scratchpad="repeat")
+    with pytest.raises(ValueError, match="min_repeats"):
+        ArithmeticConfig(operators=("*",), scratchpad="repeat", min_repeats=5, max_repeats=4)
+
+
+def test_repeat_examples_are_long_with_short_lines():
+    cfg = ArithmeticConfig(
+        operators=("*",), scratchpad="repeat", min_digits=1, max_digits=2, min_repeats=40
+    )
+    for i in range(20):
+        ex = make_arithmetic_example(cfg, seed=0, split="train", index=i)
+        a, b = map(int, ex.prompt[:-1].split("*"))
+        assert 1 <= a <= 99 and 40 <= b <= 70 and ex.answer == str(a * b)
+        lines = ex.completion.strip("\n").split("\n")
+        assert len(lines) == b + 1 and max(map(len, lines)) <= len("answer: 6930")
+        assert len(ex.prompt) <= longest_arithmetic_prompt(cfg)
+        assert arithmetic_reward(ex.completion, ex.answer) == 1.0

@@ -72,3 +72,21 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
     )
     train(cfg, log_fn=lambda m: None)
     assert _numbers(read_metrics(fresh)) == _numbers(read_metrics(copied))
+
+
+def test_signature_failures_name_each_part():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.repro_sparse_rl import signature_failures
+
+    good = {"ratio": 0.7, "evicted_fraction": 0.6, "mismatch_kl": 0.1, "rho_p5": 0.5}
+    assert signature_failures(good) == []
+    bad = {"ratio": 0.95, "evicted_fraction": 0.3, "mismatch_kl": 0.5, "rho_p5": 0.86}
+    got = signature_failures(bad)
+    assert [g.split(" =")[0] for g in got] == ["ratio", "evicted_fraction", "mismatch_kl", "rho_p5"]
+    assert got[0].startswith("ratio = 0.950, needs [0.5, 0.9): sparse greedy")
+    assert got[1].startswith("evicted_fraction = 0.300, needs >= 0.5")
+    assert got[3].startswith("rho_p5 = 0.860, needs < 0.86")
+    assert signature_failures({**good, "mismatch_kl": None}) == [
+        "mismatch_kl = missing, needs [0.02, 0.3): a mismatch the correction can see and still "
+        "correct"
+    ]

@@ -257,7 +257,8 @@ def loss_grad_inputs(
     loss (`rl.objective.micro_loss` under `value_and_grad`, pi_old given; the gradients are
     outputs, laid out like the parameters, no optimizer): abstract, placed on `devices` as the
     learner lays them out (one chip, or fsdp over them with the batch's rows split, traced under
-    the mesh as the learner's step is). The step's temporaries apart from the gradient buffers
+    the mesh as the learner's step is), with an eviction record per layer and KV head under
+    `learner.attention_mask=replay`. The step's temporaries apart from the gradient buffers
     and the AdamW update."""
     abstract = _abstract_model(model_cfg.replace(param_dtype="float32"))
     graphdef, state = nnx.split(abstract)
@@ -279,6 +280,10 @@ def loss_grad_inputs(
     mb = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)}
     for k in ("old_logp", "adv", "pg_coef", "reg_coef", "tok_w"):
         mb[k] = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
+    if lcfg.attention_mask == "replay":  # an eviction record per layer and KV head
+        record = (batch, model_cfg.num_layers, model_cfg.num_kv_heads, seq_len)
+        rows4 = rows if mesh is None else batch_sharding(mesh, 4)
+        mb["evict_pos"] = jax.ShapeDtypeStruct(record, jnp.int32, sharding=rows4)
     return fn, params, head, mb
 
 

@@ -96,6 +96,16 @@ def test_learner_step_compiles_with_chunked_attention(v5p):
     _check(got, mosaic=False)  # online softmax in XLA, no kernel
 
 
+@pytest.mark.parametrize("chips", [1, 2])
+def test_replay_step_and_loss_grad_compile_for_v5p(v5p, chips):
+    # Eviction replay: the sampler's record per layer and KV head, on the chunked XLA path
+    # (`auto` picks it: splash cannot take the mask), one chip and fsdp over two.
+    lcfg = LearnerConfig(num_micro_batches=2, attention_mask="replay")
+    got = tpu_aot.learner_program(SMALL, lcfg, v5p[:chips], batch=8, seq_len=64)
+    _check(got, mosaic=False)
+    _check(tpu_aot.loss_grad_program(SMALL, lcfg, v5p[:chips], batch=2, seq_len=64), mosaic=False)
+
+
 @pytest.mark.parametrize("attention, mosaic", [("splash", True), ("chunked", False)])
 def test_packed_forward_backward_compiles_for_v5p(v5p, attention, mosaic):
     # Packed segments (splash's segment ids) and T = 300, no multiple of the 128-lane blocks.

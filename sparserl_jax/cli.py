@@ -7,8 +7,8 @@ sparserl sampler CONFIG.yaml --id I [k=v ...]          a decoupled sampler job
 sparserl launch CONFIG.yaml --samplers N [k=v ...]     the trainer and N samplers, locally
 
 Errors print as one line, `sparserl: error: <message>`: exit status 2 for a bad config or usage
-(found before any training starts), 1 for a failure while running. `--debug` re-raises them
-with the traceback.
+(found before any training starts), 1 for a failure while running, 5 for a decoupled trainer
+that a newer one superseded on its exchange. `--debug` re-raises them with the traceback.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import yaml
 from sparserl_jax.checkpoint import CheckpointMismatchError
 from sparserl_jax.config import ConfigError, load_config, to_dict
 from sparserl_jax.decoupled.config import refuse_adaptive_kv
+from sparserl_jax.decoupled.exchange import SupersededError
 from sparserl_jax.decoupled.launch import launch
 from sparserl_jax.decoupled.sampler_job import run_sampler
 from sparserl_jax.decoupled.trainer import exchange_url, run_trainer
@@ -93,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         else:
             summary = run_generate(cfg)
             summary["config"] = to_dict(cfg)
+    except SupersededError as e:  # a newer trainer took over the exchange: stop, one line
+        if args.debug:
+            raise
+        print(_error(e), file=sys.stderr)
+        return 5
     except CheckpointMismatchError as e:  # the config does not match the run directory
         if args.debug:
             raise

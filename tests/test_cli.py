@@ -28,3 +28,18 @@ def test_decoupled_jobs_refuse_the_adaptive_budget(tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1, err
         assert "rollout.kv.adaptive.enabled=true works with `sparserl train` only" in err
+
+
+def test_a_superseded_trainer_exits_5_in_one_line(tmp_path, capsys, monkeypatch):
+    from sparserl_jax import cli
+    from sparserl_jax.decoupled.exchange import SupersededError
+
+    def superseded(cfg, log_fn):
+        raise SupersededError("trainer epoch 1 was superseded: a newer trainer registered epoch 2")
+
+    monkeypatch.setattr(cli, "run_trainer", superseded)
+    assert main(["trainer", "configs/tiny.yaml", f"run_dir={tmp_path}", "data.batch_size=4"]) == 5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "sparserl: error: trainer epoch 1 was superseded: a newer trainer registered epoch 2"
+    ]

@@ -21,7 +21,7 @@ import tensorstore as ts
 from sparserl_jax.build import build_model
 from sparserl_jax.checkpoint import CheckpointManager
 from sparserl_jax.config import load_config
-from sparserl_jax.decoupled.exchange import Exchange
+from sparserl_jax.decoupled.exchange import Exchange, SupersededError
 from sparserl_jax.decoupled.ledger import Ledger, check_exactly_once
 from sparserl_jax.decoupled.sampler_job import GAVE_UP, run_sampler
 from sparserl_jax.decoupled.trainer import run_trainer
@@ -324,3 +324,44 @@ def test_a_slow_upload_keeps_its_claim(tmp_path, monkeypatch):
     assert not slow, "the upload was never slowed"
     assert summary["end_step"] == 2 and summary["dropped"] == {}, summary["dropped"]
     assert got["exit_code"] == 0 and got["items"] == [0, 1]
+
+
+def test_a_superseded_trainer_stops_before_writing_more(tmp_path):
+    """A newer trainer registering on the exchange (its epoch record) stops a running one at its
+    next write: no item, verdict, ledger row, checkpoint or heartbeat after it."""
+    cfg = load_config(
+        TINY,
+        [
+            f"run_dir={tmp_path}",
+            "data.batch_size=4",
+            "async.max_staleness=1",
+            "train.steps=3",
+            "exchange.pulse_s=0.2",
+            *FAST,
+        ],
+    )
+    ctx, out = ts.Context(), {}
+
+    def run():
+        try:
+            out["summary"] = run_trainer(cfg, exchange=Exchange("memory://", context=ctx))
+        except SupersededError as e:
+            out["error"] = e
+
+    trainer = threading.Thread(target=run, daemon=True)
+    trainer.start()
+    ex = Exchange("memory://", context=ctx)
+    deadline = time.monotonic() + 300
+    while len(ex.item_ids()) < 2 and time.monotonic() < deadline:  # waiting for rollouts
+        time.sleep(0.1)
+    items, checkpoints = ex.item_ids(), sorted(os.listdir(tmp_path / "checkpoints"))
+    assert items == [0, 1]
+    assert ex.begin_epoch({"pid": 0}) == 2  # a newer trainer
+    trainer.join(timeout=60)
+    assert "summary" not in out and "trainer epoch 1 was superseded" in str(out["error"])
+    beat = ex.pulse("trainer/heartbeat")
+    time.sleep(0.6)  # three beat periods
+    assert ex.pulse("trainer/heartbeat") == beat and beat[0]["epoch"] == 1
+    assert ex.item_ids() == items and ex.closed_ids() == set()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == checkpoints
+    assert Ledger(tmp_path).rows("consumed") == [] and Ledger(tmp_path).rows("dropped") == []

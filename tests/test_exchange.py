@@ -18,6 +18,7 @@ from sparserl_jax.decoupled.exchange import (
     Exchange,
     ExchangeError,
     Rollout,
+    SupersededError,
     UnsafeExchangeError,
     WorkItem,
     decode_rollout,
@@ -465,3 +466,38 @@ def test_jobs_refuse_an_unsafe_store_before_any_work(tmp_path):
             run(ex)
         assert time.monotonic() - t0 < 60  # at once, not after give_up_s
         assert ex.list("items/") == [] and ex.list("trainer/") == []
+
+
+def test_a_fenced_handle_refuses_every_trainer_write_once_superseded(tmp_path):
+    """`Exchange.fence`: an old trainer's issue, verdict, revocation, collection, heartbeat and
+    epoch record all fail in one line once a newer trainer registered; items are created only
+    if absent; sampler-side writes are not fenced."""
+    url = f"file://{tmp_path}/x/"
+    old, new = Exchange(url), Exchange(url)
+    epoch = old.begin_epoch({"pid": 1})
+    old.fence(epoch)
+    old.put_item(_item(0))
+    old.put_pulse("trainer/heartbeat", {"epoch": epoch})
+    with pytest.raises(RuntimeError, match="work item 0 already exists"):
+        old.put_item(_item(0))
+    assert new.begin_epoch({"pid": 2}) == epoch + 1
+    writes = [
+        lambda: old.put_item(_item(1)),
+        lambda: old.close_item(0, "consumed"),
+        lambda: old.reopen_item(0),
+        lambda: old.revoke(0, b"x"),
+        lambda: old.collect(0),
+        lambda: old.put_pulse("trainer/heartbeat", {"epoch": epoch}),
+        lambda: old.update_epoch(epoch, {"start_version": 3}),
+    ]
+    for write in writes:
+        with pytest.raises(SupersededError, match=f"epoch {epoch} was superseded.*epoch 2"):
+            write()
+    assert new.item_ids() == [0] and new.closed_ids() == set()
+    assert new.pulse("trainer/heartbeat")[0] == {"epoch": epoch}
+    assert "start_version" not in new.epoch_record(epoch)
+    # The new trainer's own handle, and a sampler's, write as before.
+    new.fence(epoch + 1)
+    new.put_item(_item(1))
+    old.put_pulse("samplers/a", {"version": 0})
+    assert new.claim(1, "a") is not None

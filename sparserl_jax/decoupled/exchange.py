@@ -26,17 +26,21 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import io
 import json
 import secrets
 import time
 from typing import Any
 
-import numpy as np
 import tensorstore as ts
 
-from sparserl_jax.data import Example
-from sparserl_jax.rollout import RolloutResult
+from sparserl_jax.decoupled.records import (
+    Claim,
+    CorruptRolloutError,
+    Rollout,
+    WorkItem,
+    decode_rollout,
+    encode_rollout,
+)
 from sparserl_jax.sync import KvStoreTransport
 
 __all__ = [
@@ -44,6 +48,7 @@ __all__ = [
     "CorruptRolloutError",
     "Exchange",
     "ExchangeError",
+    "SupersededError",
     "UnsafeExchangeError",
     "Rollout",
     "WorkItem",
@@ -60,133 +65,14 @@ def _id(i: int) -> str:
     return f"{int(i):012d}"
 
 
-class CorruptRolloutError(ValueError):
-    """A rollout blob whose bytes do not match the checksum in its READY marker (or that does
-    not decode)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkItem:
-    """One batch of prompts to roll out. `batch`: its position in the data iterator (a re-issued
-    item keeps it); `min_version`: the oldest weight version a sampler may use for it;
-    `reissue_of`: the dropped item whose prompts these are."""
-
-    id: int
-    batch: int
-    epoch: int
-    prompts: list[list[int]]
-    seeds: list[int]
-    examples: list[Example]
-    min_version: int
-    reissue_of: int | None = None
-
-    def to_json(self) -> bytes:
-        d = dataclasses.asdict(self)
-        return json.dumps(d).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> WorkItem:
-        d = json.loads(raw)
-        d["examples"] = [Example(**{**e, "numbers": tuple(e["numbers"])}) for e in d["examples"]]
-        return cls(**d)
-
-
-@dataclasses.dataclass(frozen=True)
-class Claim:
-    """A sampler's hold on an item: `generation` is the kvstore generation it last wrote."""
-
-    item: int
-    sampler: str
-    renewals: int
-    generation: bytes
-
-
-@dataclasses.dataclass(frozen=True)
-class Rollout:
-    """A rollout blob, decoded: the result and who made it with which weights."""
-
-    item: int
-    sampler: str
-    epoch: int
-    weight_version: int
-    state_digest: str
-    result: RolloutResult
-
-
-_ARRAYS = (
-    "completion_ids",
-    "sampler_logprobs",
-    "completion_mask",
-    "prompt_lens",
-    "completion_lens",
-    "tokens_evicted",
-    "weight_version",
-    "finished_by_stop",
-)
-
-
-def encode_rollout(r: Rollout) -> bytes:
-    """A rollout as one `.npz` (no pickle): its arrays, the prompts padded, a JSON header."""
-    res = r.result
-    lens = np.asarray(res.prompt_lens, np.int32)
-    prompts = np.zeros((len(res.prompt_ids), int(lens.max(initial=0))), np.int32)
-    for i, p in enumerate(res.prompt_ids):
-        prompts[i, : len(p)] = p
-    meta = {
-        "item": r.item,
-        "sampler": r.sampler,
-        "epoch": r.epoch,
-        "weight_version": r.weight_version,
-        "state_digest": r.state_digest,
-        "stats": {k: v for k, v in res.stats.items() if isinstance(v, (int, float, str, bool))},
-    }
-    buf = io.BytesIO()
-    np.savez(
-        buf,
-        meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
-        prompt_ids=prompts,
-        **{k: np.asarray(getattr(res, k)) for k in _ARRAYS},
-        # The eviction record, when the sampler kept one (`rollout.record_evictions`).
-        **({} if res.evict_pos is None else {"evict_pos": np.asarray(res.evict_pos, np.int32)}),
-        **(
-            {}
-            if res.first_evicted is None
-            else {"first_evicted": np.asarray(res.first_evicted, np.int32)}
-        ),
-    )
-    return buf.getvalue()
-
-
-def decode_rollout(blob: bytes) -> Rollout:
-    """The inverse of `encode_rollout`; a blob that does not decode is `CorruptRolloutError`."""
-    try:
-        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
-            meta = json.loads(z["meta"].tobytes())
-            arrays = {k: z[k] for k in _ARRAYS}
-            for k in ("evict_pos", "first_evicted"):  # optional
-                arrays[k] = z[k] if k in z.files else None
-            prompts = z["prompt_ids"]
-    except (ValueError, KeyError, OSError, EOFError) as e:
-        raise CorruptRolloutError(f"rollout blob does not decode: {e}") from None
-    lens = arrays["prompt_lens"]
-    result = RolloutResult(
-        prompt_ids=[prompts[i, : int(n)].tolist() for i, n in enumerate(lens)],
-        stats=meta["stats"],
-        **arrays,
-    )
-    return Rollout(
-        meta["item"],
-        meta["sampler"],
-        meta["epoch"],
-        meta["weight_version"],
-        meta["state_digest"],
-        result,
-    )
-
-
 class ExchangeError(RuntimeError):
     """A kvstore call that still failed after `Exchange.retries` tries (one line: what, where,
     the last error)."""
+
+
+class SupersededError(RuntimeError):
+    """A newer trainer incarnation registered on the exchange (`Exchange.fence`): this one
+    stops before writing anything more."""
 
 
 class UnsafeExchangeError(Exception):
@@ -219,6 +105,7 @@ class Exchange:
         self.url = url
         self.context = context if context is not None else ts.Context()
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
+        self.fence_epoch: int | None = None  # `fence`
         self._kv = self._tried(
             "open", lambda: ts.KvStore.open(url, context=self.context).result(timeout=timeout)
         )
@@ -306,6 +193,29 @@ class Exchange:
             )
         return epoch
 
+    def update_epoch(self, epoch: int, record: dict[str, Any]) -> None:
+        """Complete incarnation `epoch`'s record (its start version, known after the restore)."""
+        self.check_fence()
+        body = json.dumps({**record, "epoch": epoch}).encode()
+        self.write(f"trainer/epoch-{epoch:06d}", body)
+
+    def fence(self, epoch: int) -> None:
+        """Fence this handle to trainer incarnation `epoch`: from now on every trainer write
+        (items, verdicts, revocations, collection, the trainer's heartbeat and epoch record)
+        first checks that no newer incarnation registered, else raises `SupersededError`. A new
+        trainer registers its epoch before it restores, so an old one still running (or waking
+        up) stops at its next write; its items are created only if absent besides."""
+        self.fence_epoch = epoch
+
+    def check_fence(self) -> None:
+        """Raise `SupersededError` when a newer trainer than the fenced one has registered."""
+        e = self.fence_epoch
+        if e is not None and self.read(f"trainer/epoch-{e + 1:06d}")[0] is not None:
+            raise SupersededError(
+                f"trainer epoch {e} was superseded: a newer trainer registered epoch {e + 1} on "
+                f"the exchange {self.url}; this one stops without writing more"
+            )
+
     def epochs(self) -> list[int]:
         return self._ids("trainer/epoch-")
 
@@ -322,6 +232,8 @@ class Exchange:
 
     def put_pulse(self, name: str, payload: dict[str, Any]) -> None:
         """A job's heartbeat (`trainer/heartbeat`, `samplers/<id>`)."""
+        if name.startswith("trainer/"):
+            self.check_fence()
         self.write(name, json.dumps(payload).encode())
 
     def pulse(self, name: str) -> tuple[dict[str, Any] | None, bytes]:
@@ -331,8 +243,12 @@ class Exchange:
     # -- work items ---------------------------------------------------------------------------
 
     def put_item(self, item: WorkItem) -> None:
-        """The item, then its `open/` marker: samplers look only at open items."""
-        self.write(f"items/{_id(item.id)}.json", item.to_json())
+        """The item (created only if absent), then its `open/` marker: samplers look only at
+        open items."""
+        self.check_fence()
+        if self.write(f"items/{_id(item.id)}.json", item.to_json(), if_equal=_ABSENT) is None:
+            self.check_fence()  # another trainer took the id: superseded, if it is newer
+            raise RuntimeError(f"work item {item.id} already exists on the exchange {self.url}")
         self.write(f"open/{_id(item.id)}", b"")
 
     def item(self, item_id: int) -> WorkItem | None:
@@ -344,11 +260,13 @@ class Exchange:
 
     def close_item(self, item_id: int, verdict: str) -> None:
         """The trainer's verdict (`consumed`, `dropped:<reason>`): samplers stop working on it."""
+        self.check_fence()
         self.write(f"closed/{_id(item_id)}", verdict.encode())
         self.write(f"open/{_id(item_id)}", None)
 
     def reopen_item(self, item_id: int) -> None:
         """Void a verdict (a resumed trainer's: the dead incarnation's ledger rows are cut)."""
+        self.check_fence()
         self.write(f"closed/{_id(item_id)}", None)
         self.write(f"open/{_id(item_id)}", b"")
 
@@ -369,6 +287,7 @@ class Exchange:
     def collect(self, item_id: int) -> None:
         """Delete what a judged item left behind (its rollout, READY marker and claim); its
         record and verdict stay (small)."""
+        self.check_fence()
         key = _id(item_id)
         for k in (f"READY/rollouts/{key}", f"rollouts/{key}.npz", f"claims/{key}"):
             self.write(k, None)
@@ -394,6 +313,7 @@ class Exchange:
     def revoke(self, item_id: int, generation: bytes) -> bool:
         """The trainer's end of an expired claim: overwrite it (if it is still at `generation`),
         so its sampler's next renewal fails and it stops working on the item."""
+        self.check_fence()
         body = json.dumps({"sampler": None, "revoked": True}).encode()
         return self.write(f"claims/{_id(item_id)}", body, if_equal=generation) is not None
 

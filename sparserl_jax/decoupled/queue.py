@@ -132,6 +132,7 @@ class WorkQueue:
     # -- judging ------------------------------------------------------------------------------
 
     def _drop(self, i: int, reason: str, *, step, batch, reissue=False, **extra) -> None:
+        self.ex.check_fence()  # a superseded trainer appends no ledger row
         self.ledger.append(
             "dropped", {"item": i, "step": step, "batch": batch, "reason": reason, **extra}
         )
@@ -201,6 +202,7 @@ class WorkQueue:
                 )
 
     def consumed(self, item: WorkItem, row: dict[str, Any]) -> None:
+        self.ex.check_fence()
         self.ledger.append("consumed", {"item": item.id, "batch": item.batch, **row})
         self.ex.close_item(item.id, "consumed")
         self.outstanding.remove(item.id)

@@ -49,7 +49,7 @@ from sparserl_jax.data import (
 )
 from sparserl_jax.decoupled.config import refuse_adaptive_kv
 from sparserl_jax.decoupled.evaluate import Evaluator
-from sparserl_jax.decoupled.exchange import Exchange, Rollout
+from sparserl_jax.decoupled.exchange import Exchange, Rollout, SupersededError
 from sparserl_jax.decoupled.ledger import Ledger
 from sparserl_jax.decoupled.queue import WorkQueue
 from sparserl_jax.metrics import (
@@ -115,7 +115,9 @@ class _Usable:
         self.version = 0
         # Version w of incarnation e is in the lineage iff every later incarnation started
         # from a version >= w (a restart keeps versions up to its checkpoint, no later ones).
-        self.starts = {e: exchange.epoch_record(e)["start_version"] for e in exchange.epochs()}
+        # (An incarnation superseded while starting has no start version: it published nothing.)
+        records = {e: exchange.epoch_record(e) for e in exchange.epochs()}
+        self.starts = {e: r["start_version"] for e, r in records.items() if "start_version" in r}
         self.epoch = epoch
 
     def __call__(self, r: Rollout) -> tuple[bool, str, int]:
@@ -142,17 +144,21 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
         exchange = Exchange(exchange_url(cfg), retries=cfg.exchange.retries)
     ex = exchange
     ex.check_conditional_writes()
+    # Register this incarnation before reading the checkpoint, and fence the handle to it: a
+    # trainer started earlier (or one that wakes up) stops at its next write.
+    epoch = ex.begin_epoch({"pid": os.getpid(), "starting": True})
+    ex.fence(epoch)
     # Beat from the start: samplers see a trainer alive through the restore and the warm start
     # (and a relaunched run's new beat replaces the last one's `done`).
     pulse = _Pulse(ex, cfg.exchange.lease_s, steps=cfg.train.steps, period=cfg.exchange.pulse_s)
     pulse.start()
     try:
-        return _run(cfg, ex, pulse, log_fn)
+        return _run(cfg, ex, epoch, pulse, log_fn)
     finally:
         pulse.finish(done=False)  # a no-op after the run's own last beat
 
 
-def _run(cfg: Config, ex: Exchange, pulse: _Pulse, log_fn) -> dict:
+def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
     tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
     run_dir = Path(cfg.run_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
@@ -173,7 +179,7 @@ def _run(cfg: Config, ex: Exchange, pulse: _Pulse, log_fn) -> dict:
     ledger = Ledger(run_dir)
     ledger.truncate(qstate["ledger"] if qstate else {})
     kept = truncate_metrics(run_dir, start_step)
-    epoch = ex.begin_epoch({"start_version": version, "step": start_step, "pid": os.getpid()})
+    ex.update_epoch(epoch, {"start_version": version, "step": start_step, "pid": os.getpid()})
     publisher = Publisher(
         ex.sync_transport(epoch),
         config=cfg.sync,
@@ -220,6 +226,7 @@ def _run(cfg: Config, ex: Exchange, pulse: _Pulse, log_fn) -> dict:
         writer.write(start_step, val)
 
     def save(step: int) -> None:
+        ex.check_fence()  # a superseded trainer writes no checkpoint
         keep = range(publisher.version - acfg.max_staleness, publisher.version + 1)
         meta = {
             "data_state": iterator_state(queue.data_it),
@@ -240,6 +247,7 @@ def _run(cfg: Config, ex: Exchange, pulse: _Pulse, log_fn) -> dict:
             t_step = time.perf_counter()
             got, t_wait = None, 0.0
             while got is None and not guard.requested:
+                pulse.check()  # superseded: stop here, before any write
                 queue.fill(publisher.version)
                 got = queue.next_rollout(step + 1, publisher.version, usable)
                 if got is None:
@@ -359,6 +367,7 @@ class _Pulse(threading.Thread):
         self._stop_event = threading.Event()
         self._finished = False
         self._seen: dict[str, tuple[bytes, float]] = {}
+        self.superseded: SupersededError | None = None
 
     def follow(self, epoch: int, step: int, version: int) -> None:
         self.epoch, self.step, self.version = epoch, step, version
@@ -370,11 +379,20 @@ class _Pulse(threading.Thread):
 
     def run(self) -> None:
         while True:
-            # The exchange briefly unreachable: the next beat tries again.
-            with contextlib.suppress(ValueError, OSError, RuntimeError):
+            try:
                 self._beat(False)
+            except SupersededError as e:  # a newer trainer: never beat again
+                self.superseded = e
+                return
+            except (ValueError, OSError, RuntimeError):
+                pass  # the exchange briefly unreachable: the next beat tries again
             if self._stop_event.wait(self.period):
                 return
+
+    def check(self) -> None:
+        """Raise the `SupersededError` the beating thread met, if it met one."""
+        if self.superseded is not None:
+            raise self.superseded
 
     def finish(self, done: bool) -> None:
         """Stop beating; the last beat says whether the run is done (samplers then exit)."""
@@ -383,8 +401,9 @@ class _Pulse(threading.Thread):
         self._finished = True
         self._stop_event.set()
         self.join()
-        with contextlib.suppress(ValueError, OSError, RuntimeError):
-            self._beat(done)
+        if self.superseded is None:
+            with contextlib.suppress(ValueError, OSError, RuntimeError):
+                self._beat(done)
 
     def samplers_alive(self) -> int:
         now, alive = time.monotonic(), 0

@@ -1,0 +1,146 @@
+"""What the decoupled jobs exchange, as records: a work item, a claim, a rollout and the
+rollout's blob format (one `.npz`, no pickle). `decoupled.exchange` stores them."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+
+import numpy as np
+
+from sparserl_jax.data import Example
+from sparserl_jax.rollout import RolloutResult
+
+__all__ = [
+    "Claim",
+    "CorruptRolloutError",
+    "Rollout",
+    "WorkItem",
+    "decode_rollout",
+    "encode_rollout",
+]
+
+
+class CorruptRolloutError(ValueError):
+    """A rollout blob whose bytes do not match the checksum in its READY marker (or that does
+    not decode)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItem:
+    """One batch of prompts to roll out. `batch`: its position in the data iterator (a re-issued
+    item keeps it); `min_version`: the oldest weight version a sampler may use for it;
+    `reissue_of`: the dropped item whose prompts these are."""
+
+    id: int
+    batch: int
+    epoch: int
+    prompts: list[list[int]]
+    seeds: list[int]
+    examples: list[Example]
+    min_version: int
+    reissue_of: int | None = None
+
+    def to_json(self) -> bytes:
+        d = dataclasses.asdict(self)
+        return json.dumps(d).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> WorkItem:
+        d = json.loads(raw)
+        d["examples"] = [Example(**{**e, "numbers": tuple(e["numbers"])}) for e in d["examples"]]
+        return cls(**d)
+
+
+@dataclasses.dataclass(frozen=True)
+class Claim:
+    """A sampler's hold on an item: `generation` is the kvstore generation it last wrote."""
+
+    item: int
+    sampler: str
+    renewals: int
+    generation: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+    """A rollout blob, decoded: the result and who made it with which weights."""
+
+    item: int
+    sampler: str
+    epoch: int
+    weight_version: int
+    state_digest: str
+    result: RolloutResult
+
+
+_ARRAYS = (
+    "completion_ids",
+    "sampler_logprobs",
+    "completion_mask",
+    "prompt_lens",
+    "completion_lens",
+    "tokens_evicted",
+    "weight_version",
+    "finished_by_stop",
+)
+
+
+def encode_rollout(r: Rollout) -> bytes:
+    """A rollout as one `.npz` (no pickle): its arrays, the prompts padded, a JSON header."""
+    res = r.result
+    lens = np.asarray(res.prompt_lens, np.int32)
+    prompts = np.zeros((len(res.prompt_ids), int(lens.max(initial=0))), np.int32)
+    for i, p in enumerate(res.prompt_ids):
+        prompts[i, : len(p)] = p
+    meta = {
+        "item": r.item,
+        "sampler": r.sampler,
+        "epoch": r.epoch,
+        "weight_version": r.weight_version,
+        "state_digest": r.state_digest,
+        "stats": {k: v for k, v in res.stats.items() if isinstance(v, (int, float, str, bool))},
+    }
+    buf = io.BytesIO()
+    np.savez(
+        buf,
+        meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
+        prompt_ids=prompts,
+        **{k: np.asarray(getattr(res, k)) for k in _ARRAYS},
+        # The eviction record, when the sampler kept one (`rollout.record_evictions`).
+        **({} if res.evict_pos is None else {"evict_pos": np.asarray(res.evict_pos, np.int32)}),
+        **(
+            {}
+            if res.first_evicted is None
+            else {"first_evicted": np.asarray(res.first_evicted, np.int32)}
+        ),
+    )
+    return buf.getvalue()
+
+
+def decode_rollout(blob: bytes) -> Rollout:
+    """The inverse of `encode_rollout`; a blob that does not decode is `CorruptRolloutError`."""
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes())
+            arrays = {k: z[k] for k in _ARRAYS}
+            for k in ("evict_pos", "first_evicted"):  # optional
+                arrays[k] = z[k] if k in z.files else None
+            prompts = z["prompt_ids"]
+    except (ValueError, KeyError, OSError, EOFError) as e:
+        raise CorruptRolloutError(f"rollout blob does not decode: {e}") from None
+    lens = arrays["prompt_lens"]
+    result = RolloutResult(
+        prompt_ids=[prompts[i, : int(n)].tolist() for i, n in enumerate(lens)],
+        stats=meta["stats"],
+        **arrays,
+    )
+    return Rollout(
+        meta["item"],
+        meta["sampler"],
+        meta["epoch"],
+        meta["weight_version"],
+        meta["state_digest"],
+        result,
+    )

@@ -156,14 +156,33 @@ def _train(cfg: Config, log: Callable[[str], None]) -> dict:
     return summary
 
 
+def _resumable(cfg: Config) -> int | None:
+    """The newest checkpoint step of an unfinished run of this very config in `cfg.run_dir`
+    (a study cut off mid-run), or None (nothing of it there, or another config's)."""
+    run_dir = Path(cfg.run_dir)
+    written = run_dir / "config.json"
+    if not written.exists() or json.loads(written.read_text()) != json.loads(
+        json.dumps(to_dict(cfg))
+    ):
+        return None
+    steps = [int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*") if p.is_dir()]
+    return max(steps, default=None)
+
+
 def _run(cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
-    """`train(cfg)` from checkpoint `step` of `src_run`; returns its summary (a run done before
-    with this very config is kept, see `_done`)."""
+    """`train(cfg)` from checkpoint `step` of `src_run`; returns its summary. A run done before
+    with this very config is kept (`_done`); one cut off (killed, or the study stopped) resumes
+    from its newest checkpoint (`train` does, from `run_dir`) instead of starting over."""
+    name = Path(cfg.run_dir).name
     summary = _done(cfg)
     if summary is not None:
-        log(f"  [{Path(cfg.run_dir).name}] done before: kept")
+        log(f"  [{name}] done before: kept")
         return summary
-    _copy_checkpoint(src_run, step, Path(cfg.run_dir))
+    resume_at = _resumable(cfg)
+    if resume_at is None:
+        _copy_checkpoint(src_run, step, Path(cfg.run_dir))
+    else:
+        log(f"  [{name}] cut off before: resumes from its checkpoint {resume_at}")
     return _train(cfg, log)
 
 

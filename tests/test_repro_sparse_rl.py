@@ -3,6 +3,7 @@ one shared SFT start: a run resumed from a copy of the warm start's step-0 check
 that would have done its own warm start, row for row."""
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -90,3 +91,38 @@ def test_signature_failures_name_each_part():
         "mismatch_kl = missing, needs [0.02, 0.3): a mismatch the correction can see and still "
         "correct"
     ]
+
+
+@pytest.mark.slow
+def test_a_run_cut_off_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """The study can run in pieces: a run stopped mid-way (its done.json missing, checkpoints
+    left) resumes from its newest checkpoint instead of starting over, and ends as it would
+    have; a finished one is kept."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import repro_sparse_rl as study
+
+    monkeypatch.chdir(ROOT)
+    base = [
+        "sft.steps=2",
+        "data.batch_size=4",
+        "train.eval_examples=0",
+        "train.save_every=1",
+        "train.progress=false",
+        "train.plot=false",
+        "rollout.kv.budget=8",
+    ]
+    sft = load_config("configs/tiny.yaml", [*base, f"run_dir={tmp_path / 'sft'}", "train.steps=0"])
+    train(sft, log_fn=lambda m: None)
+    cfg = load_config("configs/tiny.yaml", [*base, f"run_dir={tmp_path / 'run'}", "train.steps=3"])
+    logs = []
+    study._run(cfg, tmp_path / "sft", 0, logs.append)
+    whole = _numbers(read_metrics(cfg.run_dir))
+    # Cut off after step 1: no done.json, checkpoints 2 and 3 and their rows never written.
+    (Path(cfg.run_dir) / "done.json").unlink()
+    for s in (2, 3):
+        shutil.rmtree(Path(cfg.run_dir) / "checkpoints" / str(s))
+    study._run(cfg, tmp_path / "sft", 0, logs.append)
+    assert any("resumes from its checkpoint 1" in m for m in logs), logs
+    assert _numbers(read_metrics(cfg.run_dir)) == whole
+    study._run(cfg, tmp_path / "sft", 0, logs.append)
+    assert "done before: kept" in logs[-1]

@@ -9,6 +9,10 @@ vs eviction replay) rollouts from one shared SFT start (docs/reproductions.md).
                                                           # seed 0 (CI smoke)
     python tools/repro_sparse_rl.py --signature-only      # the SFT start decoded sparse vs dense
 
+The study runs in pieces: run the same command again (or with more seeds) and it keeps every
+finished run (its `done.json` holds the same config) and resumes a run cut off mid-way from its
+newest checkpoint.
+
 The signature at L/4 is checked before any arm runs (`SIGNATURE` in the logic module): when it
 fails, the tool prints which part on stderr and in the JSON (`signature_failures`), runs no arm
 and exits with status 2 (`--no-signature-check` runs the arms anyway; `--quick` never checks).

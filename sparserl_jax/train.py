@@ -381,7 +381,7 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
     rewards_seen: list[float] = []
     bar, done = None, False
     try:
-        val = evaluate(step, "eval-before", "before")
+        val = before = evaluate(step, "eval-before", "before")
         # A row whose evaluation a signal stopped is completed by this one (the same weights).
         if write_before and (val or run.pending_row):
             row = writer.write(step, {**(run.pending_row or {}), **val})
@@ -417,9 +417,12 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
                 saved = step
         if not guard.requested:
             run.ckpt.wait()
-            val = evaluate(step, "eval-after", "after")
-            # Not twice for the same weights: a finished run run again writes nothing, but one
-            # stopped during this evaluation writes its row now.
+            if step == run.start_step and before:  # no step ran: the same weights, same seeds
+                val = before
+                record_evaluation(summary, val, step, "after", log_fn)
+            else:
+                val = evaluate(step, "eval-after", "after")
+            # Not twice for the same weights; a run stopped during this evaluation writes it now.
             if val and (step > run.start_step or not evaluated):
                 writer.write(step, val)
             done = True

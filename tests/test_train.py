@@ -274,3 +274,22 @@ def test_eviction_replay_end_to_end(tmp_path):
     assert rows["dense"][0]["correction/mismatch_kl"] > 1e3 * max(
         rows["replay"][0]["correction/mismatch_kl"], 1e-12
     )
+
+
+def test_an_evaluation_only_run_evaluates_once(tmp_path, monkeypatch):
+    """`train.steps=0` (no step: the same weights before and after) decodes the held-out set
+    once and reports it as both evaluations."""
+    from sparserl_jax.sampler import Sampler
+
+    calls = []
+    real = Sampler.evaluate
+    monkeypatch.setattr(Sampler, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = load_config(
+        TINY,
+        [f"run_dir={tmp_path}", "train.steps=0", "train.eval_examples=2", "data.batch_size=4"],
+    )
+    summary = train(cfg, log_fn=lambda m: None)
+    assert len(calls) == 1
+    assert summary["val_reward_after"] == summary["val_reward_before"]
+    assert summary["val_greedy_reward_after"] == summary["val_greedy_reward_before"]
+    assert len([r for r in read_metrics(tmp_path) if "val/reward_mean" in r]) == 1

@@ -361,7 +361,8 @@ def test_a_superseded_trainer_stops_before_writing_more(tmp_path):
     assert "summary" not in out and "trainer epoch 1 was superseded" in str(out["error"])
     beat = ex.pulse("trainer/heartbeat")
     time.sleep(0.6)  # three beat periods
-    assert ex.pulse("trainer/heartbeat") == beat and beat[0]["epoch"] == 1
+    # (its last beat may still say `starting`: the fence can stop it before it beats again)
+    assert ex.pulse("trainer/heartbeat") == beat and beat[0]["epoch"] in (None, 1)
     assert ex.item_ids() == items and ex.closed_ids() == set()
     assert sorted(os.listdir(tmp_path / "checkpoints")) == checkpoints
     assert Ledger(tmp_path).rows("consumed") == [] and Ledger(tmp_path).rows("dropped") == []

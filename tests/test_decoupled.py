@@ -102,10 +102,26 @@ def test_staleness_zero_equals_sparserl_train_bit_for_bit(tmp_path):
     assert all(r["critic/score/std"] > 0 for r in rb)  # the rollouts did steer the updates
 
 
+_SPAWNED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_spawned():
+    """A test that fails while its jobs run (a timeout, say) leaves none of them running."""
+    yield
+    while _SPAWNED:
+        proc = _SPAWNED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def _spawn(*args, log: Path):
     cmd = [sys.executable, "-m", "sparserl_jax", *args]
     with log.open("ab") as f:
-        return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
+    _SPAWNED.append(proc)
+    return proc
 
 
 def _wait_for(cond, proc, what, timeout=600):

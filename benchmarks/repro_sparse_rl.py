@@ -81,6 +81,15 @@ SIGNATURE: dict[str, tuple[float | None, float | None, str]] = {
     "mismatch_kl": (0.02, 0.3, "a mismatch the correction can see and still correct"),
     "rho_p5": (None, 0.86, "the ratio's tail below Sparrow's 0.86: something to reject"),
 }
+# What the signature keeps of its one RL step (`run_record`'s keys).
+_SIGNATURE_STEP_KEYS = (
+    "evicted_fraction",
+    "mismatch_kl",
+    "rho_p5",
+    "peak_kv_bytes",
+    "masked_token_fraction",
+    "rejected_seq_fraction",
+)
 _QUIET = ("train.progress=false", "train.plot=false")
 
 
@@ -123,13 +132,18 @@ def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
     shutil.copytree(src_run / "checkpoints" / str(step), dst_run / "checkpoints" / str(step))
 
 
+def _as_saved(cfg: Config) -> dict:
+    """`cfg` as its `config.json` / `done.json` hold it (JSON types), for comparisons."""
+    return json.loads(json.dumps(to_dict(cfg)))
+
+
 def _done(cfg: Config) -> dict | None:
     """The saved summary of `cfg.run_dir` when its `done.json` holds this very config (a study
     cut off, or given more seeds, picks up where it was), else None."""
     done = Path(cfg.run_dir) / "done.json"
     if done.exists():
         saved = json.loads(done.read_text())
-        if saved["config"] == json.loads(json.dumps(to_dict(cfg))):
+        if saved["config"] == _as_saved(cfg):
             return saved["summary"]
     return None
 
@@ -143,7 +157,7 @@ def _sft_done(cfg: Config) -> bool:
     if not done.exists():
         return False
     saved = json.loads(done.read_text())["config"]
-    now = json.loads(json.dumps(to_dict(cfg)))
+    now = _as_saved(cfg)
     return all(saved.get(k) == now.get(k) for k in _SFT_SECTIONS)
 
 
@@ -161,9 +175,7 @@ def _resumable(cfg: Config) -> int | None:
     (a study cut off mid-run), or None (nothing of it there, or another config's)."""
     run_dir = Path(cfg.run_dir)
     written = run_dir / "config.json"
-    if not written.exists() or json.loads(written.read_text()) != json.loads(
-        json.dumps(to_dict(cfg))
-    ):
+    if not written.exists() or json.loads(written.read_text()) != _as_saved(cfg):
         return None
     steps = [int(p.name) for p in (run_dir / "checkpoints").glob("[0-9]*") if p.is_dir()]
     return max(steps, default=None)
@@ -351,9 +363,7 @@ def _signature(
         "dense_sampled": row["val/dense_reward_mean"],
         "sparse_response_length": row["val/greedy_response_length_mean"],
         "dense_response_length": row["val/dense_greedy_response_length_mean"],
-        **{k: rec[k] for k in ("evicted_fraction", "mismatch_kl", "rho_p5", "peak_kv_bytes")},
-        "masked_token_fraction": rec["masked_token_fraction"],
-        "rejected_seq_fraction": rec["rejected_seq_fraction"],
+        **{k: rec[k] for k in _SIGNATURE_STEP_KEYS},
     }
     if floor:
         sinks = min(cfg.rollout.max_prompt_len, b - cfg.rollout.kv.window)

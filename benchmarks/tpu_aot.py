@@ -30,6 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from pallas_kernels import _dispatch, compact_pages, paged_decode_attention, window_scores
 from sparserl_jax.kvcache import CompressionConfig
+from sparserl_jax.kvcache.evictions import record_shape
 from sparserl_jax.models import ModelConfig, Transformer, model_preset
 from sparserl_jax.models.attention import with_attention_mesh
 from sparserl_jax.parallel import MeshConfig, batch_sharding, make_mesh, state_shardings
@@ -185,6 +186,13 @@ def engine_programs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) 
 # ---- the learner -------------------------------------------------------------------------------
 
 
+def _head_record(model_cfg: ModelConfig, seq_len: int) -> tuple[int, int, int]:
+    """One row's eviction record at the finest granularity (per layer and KV head)."""
+    return record_shape(
+        "head", layers=model_cfg.num_layers, kv_heads=model_cfg.num_kv_heads, max_len=seq_len
+    )
+
+
 def learner_inputs(
     model_cfg: ModelConfig, lcfg: LearnerConfig, devices: list, *, batch=8, seq_len=2048
 ) -> tuple:
@@ -211,8 +219,8 @@ def learner_inputs(
         None,
     )
     if lcfg.attention_mask == "replay":
-        record = (b, model_cfg.num_layers, model_cfg.num_kv_heads, t)
-        rl_batch = rl_batch._replace(evict_pos_bykt=jax.ShapeDtypeStruct(record, jnp.int32))
+        record = jax.ShapeDtypeStruct((b, *_head_record(model_cfg, t)), jnp.int32)
+        rl_batch = rl_batch._replace(evict_pos_bykt=record)
     pass_index = jax.ShapeDtypeStruct((), jnp.int32)
     if mesh is None:
         one = SingleDeviceSharding(devices[0])
@@ -280,9 +288,9 @@ def loss_grad_inputs(
     mb = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32, sharding=rows)}
     for k in ("old_logp", "adv", "pg_coef", "reg_coef", "tok_w"):
         mb[k] = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32, sharding=rows)
-    if lcfg.attention_mask == "replay":  # an eviction record per layer and KV head
-        record = (batch, model_cfg.num_layers, model_cfg.num_kv_heads, seq_len)
+    if lcfg.attention_mask == "replay":
         rows4 = rows if mesh is None else batch_sharding(mesh, 4)
+        record = (batch, *_head_record(model_cfg, seq_len))
         mb["evict_pos"] = jax.ShapeDtypeStruct(record, jnp.int32, sharding=rows4)
     return fn, params, head, mb
 

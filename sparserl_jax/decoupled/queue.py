@@ -132,11 +132,11 @@ class WorkQueue:
     # -- judging ------------------------------------------------------------------------------
 
     def _drop(self, i: int, reason: str, *, step, batch, reissue=False, **extra) -> None:
-        self.ex.check_fence()  # a superseded trainer appends no ledger row
+        # The verdict first: it checks the fence, so a superseded trainer appends no ledger row.
+        self.ex.close_item(i, f"dropped:{reason}")
         self.ledger.append(
             "dropped", {"item": i, "step": step, "batch": batch, "reason": reason, **extra}
         )
-        self.ex.close_item(i, f"dropped:{reason}")
         self.judged.append(i)
         self.counts[reason] += 1
         if i in self.outstanding:
@@ -202,9 +202,8 @@ class WorkQueue:
                 )
 
     def consumed(self, item: WorkItem, row: dict[str, Any]) -> None:
-        self.ex.check_fence()
+        self.ex.close_item(item.id, "consumed")  # fenced, before the ledger row (see `_drop`)
         self.ledger.append("consumed", {"item": item.id, "batch": item.batch, **row})
-        self.ex.close_item(item.id, "consumed")
         self.outstanding.remove(item.id)
         self._claims.pop(item.id, None)
         self.judged.append(item.id)

@@ -31,8 +31,8 @@ class AdaptiveBudgetConfig:
     step, p5 < target raises B one rung of the ladder at once; p5 > target + margin for
     `patience` steps in a row lowers it one rung; in between B holds. The ladder is `levels`
     budgets from `min_budget` to `max_budget` in equal whole-page steps through the start
-    budget, so the rollout
-    programs compile at most once per rung (`kvcache.adaptive.budget_ladder`).
+    budget, so the rollout programs compile at most once per rung
+    (`kvcache.adaptive.budget_ladder`).
 
     Attributes:
       enabled: run the controller (`sparserl train` only; the decoupled jobs refuse it).

@@ -84,18 +84,18 @@ def test_staleness_zero_equals_sparserl_train_bit_for_bit(tmp_path):
     summary = run_trainer(cfg, exchange=Exchange("memory://", context=ctx))
     sampler.join(timeout=300)
     assert summary["end_step"] == ref["end_step"] == 3 and summary["dropped"] == {}
-    assert got["exit_code"] == 0 and got["items"] == [0, 1, 2]
+    # One item per prompt; the one sampler claims each whole batch and rolls it out at once.
+    assert got["exit_code"] == 0 and got["items"] == list(range(12))
     a, meta_a = _final_params(tmp_path / "ref", 3)
     b, meta_b = _final_params(tmp_path / "dec", 3)
     assert_trees_equal(a, b)
     assert meta_a["data_state"] == meta_b["data_state"]
     assert meta_a["sync_version"] == meta_b["sync_version"] == 3
     rows = Ledger(tmp_path / "dec").rows("consumed")
-    assert [(r["item"], r["step"], r["staleness"]) for r in rows] == [
-        (0, 1, 0),
-        (1, 2, 0),
-        (2, 3, 0),
+    assert [(r["item"], r["step"], r["first"], r["staleness"]) for r in rows] == [
+        (i, i // 4 + 1, i % 4, 0) for i in range(12)
     ]
+    assert check_exactly_once(tmp_path / "dec")["steps"] == 3
     ra = read_metrics(tmp_path / "ref" / "metrics.jsonl")
     rb = read_metrics(tmp_path / "dec" / "metrics.jsonl")
     assert [r["critic/score/mean"] for r in ra] == [r["critic/score/mean"] for r in rb]
@@ -163,7 +163,7 @@ def test_launch_two_samplers_one_killed_completes(tmp_path):
         "--samplers",
         "2",
         f"run_dir={run}",
-        # Staleness 0: one item outstanding at a time, so the run cannot finish without the
+        # Staleness 0: one batch in flight at a time, so the run cannot finish without the
         # killed sampler's item, and its claim must expire (at staleness > 0 the others could
         # finish the run before the lease runs out, leaving it pending).
         "train.steps=8",
@@ -195,12 +195,13 @@ def test_launch_two_samplers_one_killed_completes(tmp_path):
     summary = json.loads((run / "logs" / "trainer.json").read_text())
     assert summary["end_step"] == 8 and summary["dropped"].get("expired", 0) >= 1
     assert {"val_reward_before", "val_reward_after", "train_reward_last"} <= set(summary)
-    assert check_exactly_once(run)["consumed"] == 8
+    assert check_exactly_once(run)["steps"] == 8
     assert json.loads((run / "pending.json").read_text()) == []  # batch 0 re-issued, consumed
     rows = _check_rows_verified(run, logs)
     assert {r["sampler"] for r in rows} <= {"0", "1"} and "0" in {r["sampler"] for r in rows}
     dropped = Ledger(run).rows("dropped")
     assert any(d["reason"] == "expired" and d["sampler"] == "1" for d in dropped)
+    assert not any(d["reason"] == "stale" for d in dropped)  # paced, never dropped as stale
     metrics = [m for m in read_metrics(run / "metrics.jsonl") if "critic/score/mean" in m]
     assert [m["step"] for m in metrics] == list(range(1, 9))
     assert metrics[-1]["async/expired_claims"] >= 1 and "async/trainer_wait_s" in metrics[-1]
@@ -239,11 +240,13 @@ def test_trainer_kill9_then_same_command_completes_exactly_once(tmp_path):
     assert again.wait(timeout=900) == 0, tlog.read_text()[-3000:]
     assert sampler.wait(timeout=120) == 0, slog.read_text()[-3000:]
     assert "resumed from" in tlog.read_text()
-    assert check_exactly_once(run)["consumed"] == 8
+    assert check_exactly_once(run)["steps"] == 8
     rows = Ledger(run).rows("consumed")
-    assert [r["step"] for r in rows] == list(range(1, 9))
-    assert rows[:2] == before[:2]  # the checkpointed steps' rows are kept as they were
-    assert {r["epoch"] for r in rows[2:]} == {2}
+    assert sorted({r["step"] for r in rows}) == list(range(1, 9))
+    kept = [r for r in rows if r["step"] <= 2]
+    assert kept == [r for r in before if r["step"] <= 2]  # the checkpointed steps' rows stay
+    assert {r["epoch"] for r in rows if r["step"] > 2} == {2}
+    assert not any(d["reason"] == "stale" for d in Ledger(run).rows("dropped"))
     _check_rows_verified(run, {"0": slog})
     assert "following trainer epoch 2" in slog.read_text()
     # The restarted sampler took an anchor, then patches, all verified.
@@ -291,7 +294,7 @@ def test_a_finished_run_relaunched_with_more_steps_completes(tmp_path):
     longer = load_config(TINY, [*common, "train.steps=4"])
     summary, got = _threads(longer, longer, ctx, sampler_first_s=3.0)
     assert summary["start_step"] == 2 and summary["end_step"] == 4
-    assert got["exit_code"] == 0 and got["items"] == [2, 3]
+    assert got["exit_code"] == 0 and got["items"] == list(range(8, 16))  # 4 per batch
 
 
 @pytest.mark.slow
@@ -316,7 +319,7 @@ def test_samplers_wait_through_a_long_trainer_start(tmp_path, monkeypatch):
     )
     trainer.start()
     got = run_sampler(cfg, "0", url="memory://", exchange=Exchange("memory://", context=ctx))
-    assert got["exit_code"] == 0 and got["items"] == [0], got
+    assert got["exit_code"] == 0 and got["items"] == [0, 1, 2, 3], got  # one batch, 4 items
     trainer.join(timeout=300)
     assert out["end_step"] == 1
 
@@ -339,7 +342,7 @@ def test_a_slow_upload_keeps_its_claim(tmp_path, monkeypatch):
     summary, got = _threads(cfg, cfg, ts.Context())
     assert not slow, "the upload was never slowed"
     assert summary["end_step"] == 2 and summary["dropped"] == {}, summary["dropped"]
-    assert got["exit_code"] == 0 and got["items"] == [0, 1]
+    assert got["exit_code"] == 0 and got["items"] == list(range(8))  # 2 batches of 4 items
 
 
 def test_a_superseded_trainer_stops_before_writing_more(tmp_path):
@@ -368,10 +371,10 @@ def test_a_superseded_trainer_stops_before_writing_more(tmp_path):
     trainer.start()
     ex = Exchange("memory://", context=ctx)
     deadline = time.monotonic() + 300
-    while len(ex.item_ids()) < 2 and time.monotonic() < deadline:  # waiting for rollouts
+    while len(ex.item_ids()) < 8 and time.monotonic() < deadline:  # waiting for rollouts
         time.sleep(0.1)
     items, checkpoints = ex.item_ids(), sorted(os.listdir(tmp_path / "checkpoints"))
-    assert items == [0, 1]
+    assert items == list(range(8))  # 2 batches in flight, 4 items each
     assert ex.begin_epoch({"pid": 0}) == 2  # a newer trainer
     trainer.join(timeout=60)
     assert "summary" not in out and "trainer epoch 1 was superseded" in str(out["error"])

@@ -2,6 +2,7 @@
 rollout blobs (round trip, checksum), work items, trainer incarnations, the exactly-once check,
 retries of failed kvstore calls (and conditional writes whose reply was lost)."""
 
+import dataclasses
 import json
 import threading
 import time
@@ -137,6 +138,19 @@ def test_rollout_blob_round_trip_and_checksum(tmp_path, which):
         ex.rollout(4)
 
 
+def test_a_rollout_split_into_items_and_assembled_again_is_the_same():
+    res = _result()
+    parts = [res.rows(0, 1), res.rows(1, 3), res.rows(3, 4)]
+    assert [p.stats["generated_tokens"] for p in parts] == [
+        int(res.completion_lens[a:b].sum()) for a, b in ((0, 1), (1, 3), (3, 4))
+    ]
+    back = RolloutResult.concat(parts)
+    assert back.prompt_ids == res.prompt_ids and back.evict_pos is None
+    for k in ("completion_ids", "sampler_logprobs", "completion_mask", "first_evicted"):
+        np.testing.assert_array_equal(getattr(back, k), getattr(res, k))
+    assert back.stats["generated_tokens"] == int(res.completion_lens.sum())
+
+
 def test_items_epochs_and_verdicts(tmp_path):
     ex = Exchange(f"file://{tmp_path}/x/")
     item = _item(4, batch=2)
@@ -169,35 +183,56 @@ def _rows(ledger, name, rows):
         ledger.append(name, r)
 
 
+def _consumed(step, batch, *, items, size=2):
+    """The ledger rows of one step: data batch `batch` as `items` (their ids), one prompt each."""
+    return [
+        {"item": i, "batch": batch, "first": k, "prompts": size // len(items), "batch_size": size}
+        | {"step": step}
+        for k, i in enumerate(items)
+    ]
+
+
 def test_ledger_truncate_and_exactly_once(tmp_path):
     led = Ledger(tmp_path)
-    _rows(led, "consumed", [{"item": i, "batch": i, "step": i + 1} for i in range(3)])
-    _rows(led, "dropped", [{"item": 3, "batch": 3, "reason": "stale", "step": 4}])
+    for b in range(3):
+        _rows(led, "consumed", _consumed(b + 1, b, items=[2 * b, 2 * b + 1]))
+    _rows(led, "dropped", [{"item": 6, "batch": 3, "reason": "expired", "step": 4}])
     pos = led.position()
-    assert pos == {"consumed": 3, "dropped": 1}
-    _rows(led, "consumed", [{"item": 4, "batch": 3, "step": 4}])
-    (tmp_path / "consumed.jsonl").open("a").write('{"item": 5, "ba')  # torn by a kill
-    assert len(Ledger(tmp_path).rows("consumed")) == 4
-    assert check_exactly_once(tmp_path)["consumed"] == 4
+    assert pos == {"consumed": 6, "dropped": 1}
+    _rows(led, "consumed", _consumed(4, 3, items=[8, 7]))  # 6 re-issued as 8, in its place
+    (tmp_path / "consumed.jsonl").open("a").write('{"item": 9, "ba')  # torn by a kill
+    assert len(Ledger(tmp_path).rows("consumed")) == 8
+    assert check_exactly_once(tmp_path)["steps"] == 4
     Ledger(tmp_path).truncate(pos)
     assert Ledger(tmp_path).position() == pos
-    # Batch 3 was dropped and is pending re-issue: not lost.
+    # Batch 3 is in flight (its item 6 dropped and re-issued): not lost.
     (tmp_path / "pending.json").write_text(json.dumps([3]))
     assert check_exactly_once(tmp_path) == {
-        "consumed": 3,
+        "consumed": 6,
+        "steps": 3,
         "dropped": 1,
-        "reasons": {"stale": 1},
+        "reasons": {"expired": 1},
     }
     (tmp_path / "pending.json").write_text("[]")
     with pytest.raises(ValueError, match="lost"):
         check_exactly_once(tmp_path)
-    _rows(Ledger(tmp_path), "consumed", [{"item": 2, "batch": 3, "step": 4}])
+    _rows(Ledger(tmp_path), "consumed", _consumed(4, 3, items=[2, 7]))
     with pytest.raises(ValueError, match="more than once"):
         check_exactly_once(tmp_path)
     Ledger(tmp_path).truncate(pos)
-    _rows(Ledger(tmp_path), "consumed", [{"item": 3, "batch": 3, "step": 4}])
+    _rows(Ledger(tmp_path), "consumed", _consumed(4, 3, items=[6, 7]))
     with pytest.raises(ValueError, match="both consumed and dropped"):
         check_exactly_once(tmp_path)
+    # A batch trained out of data order, half a batch, a batch's prompts out of order.
+    for rows, why in [
+        (_consumed(4, 4, items=[8, 7]), "not trained in data order"),
+        (_consumed(4, 3, items=[8, 7])[:1], "1 of data batch 3's 2 prompts"),
+        (_consumed(4, 3, items=[8, 7])[::-1], "not trained whole and in order"),
+    ]:
+        Ledger(tmp_path).truncate(pos)
+        _rows(Ledger(tmp_path), "consumed", rows)
+        with pytest.raises(ValueError, match=why):
+            check_exactly_once(tmp_path)
 
 
 # -- the trainer's work queue and its verdicts, with fake rollouts -----------------------------
@@ -225,44 +260,65 @@ def _fake(ex, item, version, digest="d0", epoch=1):
     ex.put_rollout(r)
 
 
-def test_queue_issues_judges_drops_and_reissues(tmp_path):
-    """S+1 items outstanding with the right min_version and seeds; a stale rollout, one whose
-    weights digest is not the published one and a corrupt one are dropped and their batches
-    re-issued under new ids; a usable one is taken oldest first."""
+def _batch(q, place=0):
+    return q.batches[place]["items"]
+
+
+def test_queue_issues_paced_batches_of_groups_and_reissues_in_place(tmp_path):
+    """S+1 batches in flight, each as one item per prompt, with min_version paced by the batch's
+    place and the seeds of `sparserl train`'s step; a rollout from forged weights, one stale
+    despite pacing and a corrupt one are dropped and re-issued at once, in their place, with the
+    same prompts and seeds; the head batch is handed over only whole, in prompt order."""
     ex = Exchange("memory://")
     ex.begin_epoch({"start_version": 0})
     q = _queue(ex, tmp_path, staleness=1)
     usable = _Usable(ex, 1, 1)
     usable.version, usable.digests = 3, {1: "d1", 2: "d2", 3: "d3"}
     q.fill(3)
-    assert q.outstanding == [0, 1]
-    items = [ex.item(i) for i in q.outstanding]
-    assert [(it.batch, it.min_version) for it in items] == [(0, 2), (1, 3)]
-    assert items[0].seeds == step_seeds(0, 1, 2) and items[1].seeds == step_seeds(0, 2, 2)
-    assert q.next_rollout(4, 3, usable) is None  # nothing READY
-    _fake(ex, 0, 1, "d1")  # 2 versions behind at max_staleness 1
+    assert q.batches == [{"batch": 0, "items": [0, 1]}, {"batch": 1, "items": [2, 3]}]
+    items = [ex.item(i) for i in range(4)]
+    assert [(it.batch, it.first, it.batch_size, it.min_version) for it in items] == [
+        (0, 0, 2, 2),
+        (0, 1, 2, 2),
+        (1, 0, 2, 3),
+        (1, 1, 2, 3),
+    ]
+    assert [it.seeds[0] for it in items] == step_seeds(0, 1, 2) + step_seeds(0, 2, 2)
+    assert q.ready_batch(4, 3, usable) is None  # nothing READY
+    _fake(ex, 0, 1, "d1")  # 2 versions behind at max_staleness 1 (pacing defeated)
     _fake(ex, 1, 3, "forged")
-    assert q.next_rollout(4, 3, usable) is None
+    _fake(ex, 3, 3, "d3")  # batch 1's second item: judged now, handed over with its batch
+    assert q.ready_batch(4, 3, usable) is None
     rows = Ledger(tmp_path).rows("dropped")
     assert [(r["item"], r["reason"], r["staleness"]) for r in rows] == [
         (0, "stale", 2),
         (1, "unverified", 0),
     ]
-    assert ex.closed_ids() == {0, 1} and list(q.reissue) == [0, 1]
-    q.fill(3)
-    again = [ex.item(i) for i in q.outstanding]
-    assert [(it.id, it.batch, it.reissue_of) for it in again] == [(2, 0, 0), (3, 1, 1)]
-    assert again[0].prompts == items[0].prompts and again[0].seeds != items[0].seeds
-    ex.write("rollouts/000000000002.npz", b"junk")
-    ex.write("READY/rollouts/000000000002", b'{"sha256": "0", "nbytes": 4}')
-    _fake(ex, 3, 2, "d2")
-    item, rollout = q.next_rollout(4, 3, usable)
-    assert (item.id, rollout.weight_version) == (3, 2)
-    assert Ledger(tmp_path).rows("dropped")[-1]["reason"] == "corrupt"
-    q.consumed(item, {"step": 4})
-    assert Ledger(tmp_path).rows("consumed") == [{"item": 3, "batch": 1, "step": 4}]
-    assert q.pending_batches() == [0]  # batch 0's item 2 was dropped (corrupt): re-issue waits
+    assert ex.closed_ids() == {0, 1} and _batch(q) == [4, 5] and 3 in q.got
+    again = [ex.item(i) for i in (4, 5)]
+    assert [(it.batch, it.first, it.reissue_of, it.min_version) for it in again] == [
+        (0, 0, 0, 2),
+        (0, 1, 1, 2),
+    ]
+    assert [(it.prompts, it.seeds) for it in again] == [(it.prompts, it.seeds) for it in items[:2]]
+    ex.write("rollouts/000000000004.npz", b"junk")
+    ex.write("READY/rollouts/000000000004", b'{"sha256": "0", "nbytes": 4}')
+    _fake(ex, 5, 2, "d2")
+    assert q.ready_batch(4, 3, usable) is None  # item 4 corrupt: re-issued as 6
+    assert Ledger(tmp_path).rows("dropped")[-1]["reason"] == "corrupt" and _batch(q) == [6, 5]
+    _fake(ex, 6, 3, "d3")
+    got_items, rollouts = q.ready_batch(4, 3, usable)
+    assert [it.id for it in got_items] == [6, 5] and [it.first for it in got_items] == [0, 1]
+    assert [r.weight_version for r in rollouts] == [3, 2]
+    q.consumed([{"step": 4}, {"step": 4}])
+    assert [(r["item"], r["batch"], r["first"]) for r in Ledger(tmp_path).rows("consumed")] == [
+        (6, 0, 0),
+        (5, 0, 1),
+    ]
+    assert q.pending_batches() == [1] and q.batches[0]["items"] == [2, 3]
     assert dict(q.counts) == {"stale": 1, "unverified": 1, "corrupt": 1}
+    q.fill(4)
+    assert q.batches[1] == {"batch": 2, "items": [7, 8]} and ex.item(7).min_version == 4
 
 
 def test_queue_expires_a_claim_that_stops_changing(tmp_path):
@@ -271,50 +327,51 @@ def test_queue_expires_a_claim_that_stops_changing(tmp_path):
     q = _queue(ex, tmp_path, staleness=0, lease_s=0.3)
     q.fill(0)
     claim = ex.claim(0, "s9")
-    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    assert q.ready_batch(1, 0, lambda r: (True, "", 0)) is None
     time.sleep(0.2)
     claim = ex.renew(claim)  # alive: the trainer sees a new generation
-    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    assert q.ready_batch(1, 0, lambda r: (True, "", 0)) is None
     time.sleep(0.2)
-    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None and q.outstanding == [0]
+    assert q.ready_batch(1, 0, lambda r: (True, "", 0)) is None and _batch(q) == [0, 1]
     time.sleep(0.35)  # no renewal for longer than the lease
-    assert q.next_rollout(1, 0, lambda r: (True, "", 0)) is None
+    assert q.ready_batch(1, 0, lambda r: (True, "", 0)) is None
     assert Ledger(tmp_path).rows("dropped") == [
         {"item": 0, "step": 1, "batch": 0, "reason": "expired", "sampler": "s9"}
     ]
     # Revoked: the sampler, alive after all, cannot renew it and stops working on it.
     assert ex.renew(claim) is None
     assert ex.claim_state(0)[0] == {"sampler": None, "revoked": True}
-    assert list(q.reissue) == [0] and q.counts["expired"] == 1
+    assert _batch(q) == [2, 1] and ex.item(2).reissue_of == 0 and q.counts["expired"] == 1
 
 
-def test_queue_resume_abandons_later_items_and_reopens_outstanding(tmp_path):
-    """A checkpoint taken with items 0, 1 outstanding; the dead trainer then issued 2, 3 and
-    closed 0. The resumed queue reopens 0, keeps 0 and 1, abandons 2 and 3 (their batches come
-    again from the data state) and never reuses their ids."""
+def test_queue_resume_abandons_later_items_and_reopens_in_flight(tmp_path):
+    """A checkpoint taken with batches 0 and 1 in flight (items 0-3); the dead trainer then
+    trained on batch 0 (closing 0 and 1) and issued batch 2 as items 4, 5. The resumed queue
+    reopens 0-3, keeps both batches, abandons 4 and 5 (batch 2 comes again from the data
+    state) and never reuses their ids."""
     ex = Exchange("memory://")
     ex.begin_epoch({"start_version": 0})
     q = _queue(ex, tmp_path, staleness=1)
     q.fill(0)
     state = {"queue": q.state(), "data": q.data_it.get_state()}
-    ex.close_item(0, "consumed")
-    q.outstanding.remove(0)
+    for i in (0, 1):
+        q.got[i] = None
+    q.consumed([{"step": 1}, {"step": 1}])
     q.fill(1)
-    q.outstanding.remove(1)
-    q.fill(2)
-    assert ex.item_ids() == [0, 1, 2, 3]
+    assert ex.item_ids() == [0, 1, 2, 3, 4, 5] and ex.closed_ids() == {0, 1}
     ex.begin_epoch({"start_version": 0})
     Ledger(tmp_path).truncate(state["queue"]["ledger"])
     r = _queue(ex, tmp_path, state=state, staleness=1)
-    assert r.outstanding == [0, 1] and ex.closed_ids() == {2, 3}
+    assert r.batches == state["queue"]["batches"] and ex.closed_ids() == {4, 5}
     assert [(d["item"], d["reason"]) for d in Ledger(tmp_path).rows("dropped")] == [
-        (2, "abandoned"),
-        (3, "abandoned"),
+        (4, "abandoned"),
+        (5, "abandoned"),
     ]
-    r.outstanding.remove(1)
+    r.batches.pop(0)
     r.fill(1)
-    new = ex.item(r.outstanding[-1])
-    assert new.id == 4 and new.batch == ex.item(2).batch == 2
+    assert r.batches[-1]["items"] == [6, 7] and ex.item(6).batch == ex.item(4).batch == 2
+    with pytest.raises(ValueError, match="older release"):
+        _queue(ex, tmp_path, state={**state, "queue": {"next_item": 1, "outstanding": [0]}})
 
 
 class _Flaky:
@@ -397,7 +454,7 @@ def _tally(ex: Exchange) -> dict[str, int]:
 def test_a_sampler_poll_costs_the_open_items_not_the_run(tmp_path):
     """Judged items leave the `open/` index and, once a checkpoint holds their verdicts, their
     rollouts and claims are deleted: a sampler's poll reads only the items in flight."""
-    from sparserl_jax.decoupled.sampler_job import _open_item
+    from sparserl_jax.decoupled.sampler_job import _Claimer
 
     ex = Exchange("memory://")
     ex.begin_epoch({"start_version": 0})
@@ -406,25 +463,52 @@ def test_a_sampler_poll_costs_the_open_items_not_the_run(tmp_path):
     calls = []
     for step in range(1, 31):
         q.fill(step - 1)
-        (i,) = q.outstanding
+        ids = _batch(q)
+        claimer = _Claimer(ex, "s0", 0, 60.0)
         if step in (2, 30):  # count one poll early in the run and one late: keys listed, reads
             seen = _tally(ex)
-            claim, item = _open_item(ex, step - 1, "s0")
+            got = claimer(step - 1)
             del ex.list, ex.read
             calls.append(seen)
-            assert item.id == i and claim.sampler == "s0"
+            assert [item.id for _, item in got] == ids and got[0][0].sampler == "s0"
         else:
-            ex.claim(i, "s0")
+            for i in ids:
+                ex.claim(i, "s0")
         usable.version, usable.digests = step - 1, {step - 1: "d"}
-        _fake(ex, i, step - 1, "d")
-        item, _ = q.next_rollout(step, step - 1, usable)
-        q.consumed(item, {"step": step})
+        for i in ids:
+            _fake(ex, i, step - 1, "d")
+        q.ready_batch(step, step - 1, usable)
+        q.consumed([{"step": step}] * len(ids))
         if step % 5 == 0:
             q.collect()  # what the trainer does after each checkpoint
     assert calls[0] == calls[1], calls  # the same cost at step 2 and at step 30
     assert ex.open_ids() == [] and ex.ready_rollouts() == set() and ex.claimed_ids() == set()
     assert ex.rollout(3) is None and ex.item(3) is not None  # the record and verdict stay
-    assert ex.closed_ids() == set(range(30))
+    assert ex.closed_ids() == set(range(60))
+
+
+def test_samplers_share_a_batch_and_never_claim_from_one_half_issued(tmp_path):
+    """Two samplers alive: each claims its fair share of a batch's items (the first half, then
+    the rest); a batch whose items are not all open yet is not claimed from; an explicit
+    `async.sampler_groups` caps a claim; items newer than the sampler's weights wait."""
+    from sparserl_jax.decoupled.sampler_job import _Claimer
+
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=1)
+    q.fill(0)  # batch 0 (items 0, 1; min_version 0), batch 1 (2, 3; min_version 0)
+    for name in ("a", "b"):
+        ex.put_pulse(f"samplers/{name}", {"version": 0})
+    a, b = _Claimer(ex, "a", 0, 60.0), _Claimer(ex, "b", 0, 60.0)
+    assert [item.id for _, item in a(0)] == [0, 1]  # 4 in flight, 2 samplers alive
+    assert [item.id for _, item in b(0)] == [2, 3]
+    assert a(0) == [] and b(0) == []
+    ex.put_item(dataclasses.replace(ex.item(0), id=9, batch=7, min_version=1))  # half of batch 7
+    assert a(0) == []
+    ex.put_item(dataclasses.replace(ex.item(1), id=10, batch=7, min_version=1))
+    assert a(0) == []  # whole now, but for weights newer than a's
+    got = _Claimer(ex, "c", 1, 60.0)(1)
+    assert [item.id for _, item in got] == [9]  # capped at one item
 
 
 class _NoConditions:

@@ -126,7 +126,7 @@ def test_launch_runs_on_s3(s3, tmp_path):
         out.stderr[-3000:],
         (run / "logs" / "trainer.log").read_text()[-3000:],
     )
-    assert check_exactly_once(run)["consumed"] == 2
+    assert check_exactly_once(run)["steps"] == 2
     ex = Exchange(_spec(s3, "launch"))
     assert ex.list("sync/e000001/")  # the weights went through the bucket
     assert json.loads(ex.read("trainer/heartbeat")[0])["done"] is True

@@ -71,15 +71,28 @@ class AsyncConfig:
 
     Attributes:
       max_staleness: the trainer learns from a rollout sampled at most this many weight
-        versions behind its current one; older ones are dropped and their prompts re-issued.
-        0 is fully synchronous (the same batches, seeds and weights as `sparserl train`).
+        versions behind its current one. It keeps at most `max_staleness + 1` batches' work
+        items in flight and tells each the oldest weights it may be sampled with, so sampling
+        is paced and nothing is dropped for staleness. 0 is fully synchronous (the same
+        batches, seeds and weights as `sparserl train`).
+      groups_per_item: prompts per work item (each with its `rollout.n_samples` completions,
+        a GRPO group): the unit samplers claim and the trainer re-issues. Samplers share a
+        batch at this grain, so N samplers keep busy without more staleness.
+      sampler_groups: the most work items a sampler claims and rolls out together (one
+        engine call); 0 is its fair share: the claimable items divided by the samplers alive.
     """
 
     max_staleness: int = 2
+    groups_per_item: int = 1
+    sampler_groups: int = 0
 
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        if self.groups_per_item < 1:
+            raise ValueError(f"groups_per_item must be >= 1, got {self.groups_per_item}")
+        if self.sampler_groups < 0:
+            raise ValueError(f"sampler_groups must be >= 0, got {self.sampler_groups}")
 
 
 def refuse_adaptive_kv(rollout) -> None:

@@ -75,12 +75,13 @@ def check_exactly_once(run_dir: str | Path) -> dict[str, Any]:
     """Check what the ledger proves; returns counts, raises ValueError naming the first breach.
 
     - every consumed item id appears once, and no consumed item was also dropped;
-    - each data batch is consumed at most once, and the batches consumed, with those still
-      pending when the trainer last stopped (`pending.json`), are 0..K-1 without a gap
-      (re-issued prompts keep their batch number: a batch dropped and re-issued is consumed
-      once, under its new id);
-    - one consumed row per step, steps 1, 2, ...;
-    - every dropped-and-re-issued item names an item that exists (`reissued_as`).
+    - each step trained on one whole data batch: its rows (one per work item) name one batch
+      and their prompts (`first`, `prompts`) cover it once, in prompt order;
+    - steps 1, 2, ... trained on consecutive data batches: the order trained is the data
+      order (nothing reordered toward the groups that came back first);
+    - the batches consumed, with those still pending when the trainer last stopped
+      (`pending.json`), are 0..K-1 without a gap (a dropped item is re-issued in its batch;
+      an abandoned one's batch comes again from the data state).
     """
     ledger = Ledger(run_dir)
     consumed, dropped = ledger.rows("consumed"), ledger.rows("dropped")
@@ -91,20 +92,46 @@ def check_exactly_once(run_dir: str | Path) -> dict[str, Any]:
     both = sorted(set(ids) & {r["item"] for r in dropped})
     if both:
         raise ValueError(f"items both consumed and dropped: {both[:10]}")
-    batches = Counter(r["batch"] for r in consumed)
-    again = [b for b, n in batches.items() if n > 1]
-    if again:
-        raise ValueError(f"data batches trained on more than once: {again[:10]}")
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in consumed:
+        by_step.setdefault(r["step"], []).append(r)
+    steps = sorted(by_step)
+    if steps != list(range(1, len(steps) + 1)):
+        raise ValueError(f"consumed rows are not of steps 1, 2, ...: {steps[:20]}")
+    order = []
+    for step in steps:
+        rows = by_step[step]
+        batch = {r["batch"] for r in rows}
+        if len(batch) != 1:
+            raise ValueError(f"step {step} trained on several data batches: {sorted(batch)}")
+        at = 0
+        for r in rows:  # in the order appended: the batch's prompt order
+            if r.get("first", at) != at:
+                raise ValueError(
+                    f"step {step}: data batch {r['batch']} not trained whole and in order "
+                    f"(item {r['item']} starts at prompt {r['first']}, expected {at})"
+                )
+            at += r.get("prompts", 0)
+        if at != rows[0].get("batch_size", at):
+            raise ValueError(
+                f"step {step}: {at} of data batch {rows[0]['batch']}'s "
+                f"{rows[0]['batch_size']} prompts trained"
+            )
+        order.append(batch.pop())
+    if order and order != list(range(order[0], order[0] + len(order))):
+        raise ValueError(f"data batches not trained in data order: {order[:20]}")
+    batches = set(order)
     pending_path = Path(run_dir) / "pending.json"
     pending = set(json.loads(pending_path.read_text())) if pending_path.exists() else set()
-    covered = set(batches) | pending
-    # A dropped item's batch is re-issued (an abandoned one comes again from the data state).
+    covered = batches | pending
     issued = {r["batch"] for r in dropped if r["batch"] is not None} | covered
     gaps = sorted(set(range(max(issued, default=-1) + 1)) - covered)
     if gaps:
         raise ValueError(f"data batches neither trained on nor pending (lost): {gaps[:10]}")
-    steps = [r["step"] for r in consumed]
-    if steps != list(range(1, len(steps) + 1)):
-        raise ValueError(f"consumed rows are not one per step 1, 2, ...: {steps[:20]}")
     reasons = Counter(r["reason"] for r in dropped)
-    return {"consumed": len(consumed), "dropped": len(dropped), "reasons": dict(reasons)}
+    return {
+        "consumed": len(consumed),
+        "steps": len(steps),
+        "dropped": len(dropped),
+        "reasons": dict(reasons),
+    }

@@ -29,9 +29,11 @@ class CorruptRolloutError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class WorkItem:
-    """One batch of prompts to roll out. `batch`: its position in the data iterator (a re-issued
-    item keeps it); `min_version`: the oldest weight version a sampler may use for it;
-    `reissue_of`: the dropped item whose prompts these are."""
+    """A few prompts' groups to roll out (`async.groups_per_item`), prompts `first ..
+    first + len(prompts) - 1` of data batch `batch` (its position in the data iterator) of
+    `batch_size` prompts. A re-issued item keeps its batch, place, prompts and seeds.
+    `min_version`: the oldest weight version a sampler may use for it; `reissue_of`: the
+    dropped item whose prompts these are."""
 
     id: int
     batch: int
@@ -41,6 +43,8 @@ class WorkItem:
     examples: list[Example]
     min_version: int
     reissue_of: int | None = None
+    first: int = 0
+    batch_size: int = 0
 
     def to_json(self) -> bytes:
         d = dataclasses.asdict(self)

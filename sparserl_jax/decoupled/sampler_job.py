@@ -8,12 +8,14 @@ It owns its devices and mesh and holds nothing that needs a checkpoint. Its loop
        epoch's sync prefix (it starts from the new anchor);
     2. catch up through PULSESync (every applied version verified bit-identical by the
        receiver's digests, else refused);
-    3. claim the oldest open item its weights are new enough for (`min_version`), by a
-       conditional create: of samplers racing for an item exactly one wins;
-    4. generate, renewing the claim every `exchange.lease_s / 4` from a side thread; a claim
-       lost (the trainer revoked it as expired) abandons the rollout between decode chunks;
-    5. write the rollout blob and its READY marker (checksum), if the claim is still held,
-       renewing it through the upload.
+    3. claim the oldest open items its weights are new enough for (`min_version`), its fair
+       share of them (`async.sampler_groups`), each by a conditional create: of samplers
+       racing for an item exactly one wins;
+    4. roll them out together (one engine call), renewing the claims every
+       `exchange.lease_s / 4` from a side thread; with every claim lost (the trainer revoked
+       them as expired) the rollout is abandoned between decode chunks;
+    5. write each item's rollout blob and READY marker (checksum), if its claim is still
+       held, renewing the claims through the upload.
 
 When the exchange cannot be reached, or the trainer's heartbeat has not changed (counted from
 its latest beat), for `exchange.give_up_s` seconds it exits with status 3, logging why every
@@ -34,7 +36,7 @@ from flax import nnx
 from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.config import Config
 from sparserl_jax.decoupled.config import refuse_adaptive_kv
-from sparserl_jax.decoupled.exchange import Claim, Exchange, Rollout
+from sparserl_jax.decoupled.exchange import Claim, Exchange, Rollout, WorkItem
 from sparserl_jax.parallel import make_mesh
 from sparserl_jax.rollout import RolloutAborted
 from sparserl_jax.sampler import Sampler, sampler_shardings
@@ -49,30 +51,38 @@ _EXCHANGE_ERRORS = (ValueError, OSError, TimeoutError, RuntimeError)
 
 
 class _Renewer(threading.Thread):
-    """Renews a claim (and the sampler's pulse) every `period` seconds until stopped; `claim`
-    is None once lost."""
+    """Renews claims (and the sampler's pulse) every `period` seconds until stopped; a lost
+    claim becomes None in `claims`."""
 
-    def __init__(self, ex: Exchange, claim: Claim, period: float, pulse: dict):
+    def __init__(self, ex: Exchange, claims: list[Claim], period: float, pulse: dict):
         super().__init__(daemon=True)
-        self.ex, self.claim, self.period, self.pulse = ex, claim, period, pulse
+        self.ex, self.period, self.pulse = ex, period, pulse
+        self.claims: list[Claim | None] = list(claims)
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        while not self._stop_event.wait(self.period) and self.claim is not None:
-            # On an error the next renewal tries again; the trainer expires it if none gets in.
-            with contextlib.suppress(*_EXCHANGE_ERRORS):
-                self.claim = self.ex.renew(self.claim)
-                if self.claim is not None:
-                    pulse = {**self.pulse, "item": self.claim.item, "time": time.time()}
-                    self.ex.put_pulse(f"samplers/{self.claim.sampler}", pulse)
+        while not self._stop_event.wait(self.period) and not self.lost():
+            for k, claim in enumerate(self.claims):
+                if claim is None:
+                    continue
+                # On an error the next renewal tries again; the trainer expires it if none
+                # gets in.
+                with contextlib.suppress(*_EXCHANGE_ERRORS):
+                    self.claims[k] = self.ex.renew(claim)
+            held = [c for c in self.claims if c is not None]
+            if held:
+                items = [c.item for c in held]
+                pulse = {**self.pulse, "items": items, "time": time.time()}
+                with contextlib.suppress(*_EXCHANGE_ERRORS):
+                    self.ex.put_pulse(f"samplers/{held[0].sampler}", pulse)
 
     def lost(self) -> bool:
-        return self.claim is None
+        """Every claim lost: nothing left worth generating."""
+        return all(c is None for c in self.claims)
 
-    def stop(self) -> Claim | None:
+    def stop(self) -> None:
         self._stop_event.set()
         self.join()
-        return self.claim
 
 
 class _Waiter:
@@ -126,20 +136,66 @@ def _build(cfg: Config) -> Sampler:
     )
 
 
-def _open_item(ex: Exchange, version: int | None, sampler_id: str) -> tuple[Claim, object] | None:
-    """Claim the oldest open item this sampler's weights are new enough for."""
-    if version is None:
-        return None
-    for i in ex.open_ids():  # bounded by the items in flight, not by the run's length
-        if ex.is_ready(i) or ex.claim_state(i)[0] is not None:
-            continue
-        item = ex.item(i)
-        if item is None or item.min_version > version:
-            continue
-        claim = ex.claim(i, sampler_id)
-        if claim is not None:
-            return claim, item
-    return None
+class _Claimer:
+    """Claims a sampler's share of the open items: the oldest its weights are new enough for
+    (`min_version`), from batches whose items are all open (never a batch half issued), at
+    most `limit` of them, or with `limit` 0 its fair share: the items in flight divided by
+    the samplers alive (a sampler is alive while its pulse changes within `lease_s` of this
+    clock), so N samplers split a batch N ways."""
+
+    def __init__(self, ex: Exchange, sampler_id: str, limit: int, lease_s: float):
+        self.ex, self.sampler_id, self.limit, self.lease_s = ex, sampler_id, limit, lease_s
+        self.items: dict[int, WorkItem] = {}  # items never change: read each once
+        self._seen: dict[str, tuple[bytes, float]] = {}
+
+    def _alive(self) -> int:
+        now, alive = time.monotonic(), 0
+        for name in self.ex.list("samplers/"):
+            gen = self.ex.pulse(f"samplers/{name}")[1]
+            seen = self._seen.get(name)
+            if seen is None or seen[0] != gen:
+                self._seen[name] = seen = (gen, now)
+            alive += name == self.sampler_id or now - seen[1] < self.lease_s
+        return max(alive, 1)
+
+    def __call__(self, version: int | None) -> list[tuple[Claim, WorkItem]]:
+        if version is None:
+            return []
+        open_ids = self.ex.open_ids()  # bounded by the items in flight, not the run's length
+        by_batch: dict[int, list[WorkItem]] = {}
+        for i in open_ids:
+            if i not in self.items and (item := self.ex.item(i)) is not None:
+                self.items[i] = item
+            if i in self.items:
+                by_batch.setdefault(self.items[i].batch, []).append(self.items[i])
+        whole = {b for b, its in by_batch.items() if _covers(its)}
+        free = [
+            item
+            for i in open_ids
+            if (item := self.items.get(i)) is not None
+            and item.batch in whole
+            and item.min_version <= version
+            and not self.ex.is_ready(i)
+            and self.ex.claim_state(i)[0] is None
+        ]
+        if not free:
+            return []
+        in_flight = sum(len(its) for b, its in by_batch.items() if b in whole)
+        share = self.limit or -(-in_flight // self._alive())
+        got = []
+        for item in free:
+            claim = self.ex.claim(item.id, self.sampler_id)
+            if claim is not None:
+                got.append((claim, item))
+                if len(got) == share:
+                    break
+        return got
+
+
+def _covers(items: list[WorkItem]) -> bool:
+    """Whether `items` are all of their batch's prompts (a batch being issued, or an item of it
+    dropped and not yet re-issued, is not claimed from: its rollouts would be split apart)."""
+    return sum(len(item.prompts) for item in items) == items[0].batch_size
 
 
 def run_sampler(
@@ -150,6 +206,7 @@ def run_sampler(
     refuse_adaptive_kv(cfg.rollout)
     xcfg, steps = cfg.exchange, cfg.train.steps
     sampler = _build(cfg)
+    claimer = None
     waiter = _Waiter(xcfg, log_fn)
     ex, epoch, transport, checked = exchange, None, None, False
     trainer_seen: tuple[bytes, float] | None = None
@@ -158,6 +215,8 @@ def run_sampler(
         try:
             if ex is None:
                 ex = Exchange(url, retries=xcfg.retries)
+            if claimer is None:
+                claimer = _Claimer(ex, sampler_id, cfg.async_.sampler_groups, xcfg.lease_s)
             if not checked:  # an unsafe store is refused at once (not retried)
                 ex.check_conditional_writes()
                 checked = True
@@ -209,7 +268,7 @@ def run_sampler(
             if now - last_pulse >= xcfg.pulse_s:
                 last_pulse = now
                 ex.put_pulse(f"samplers/{sampler_id}", {**pulse, "time": time.time()})
-            got = _open_item(ex, sampler.version, sampler_id)
+            got = claimer(sampler.version)
         except SyncError as e:  # e.g. the anchor not written yet: look again
             if waiter.trouble(f"cannot sync weights: {e}"):
                 return _summary(sampler_id, GAVE_UP, done, versions)
@@ -221,30 +280,41 @@ def run_sampler(
             time.sleep(xcfg.poll_s)
             continue
         waiter.ok()
-        if got is None:
+        if not got:
             time.sleep(xcfg.poll_s)
             continue
-        claim, item = got
-        # Renewed from a side thread while it generates and while it uploads.
-        renewer = _Renewer(ex, claim, xcfg.lease_s / 4, pulse)
-        renewer.start()
-        try:
-            try:  # a claim lost (revoked by the trainer, or taken over) stops the work
-                result = sampler.rollout(item.prompts, item.seeds, stop=renewer.lost)
-            except RolloutAborted:
-                log_fn(f"sampler {sampler_id}: lost the claim on item {item.id}; abandoned it")
-                continue
+        _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn)
+
+
+def _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn) -> None:
+    """Roll out the claimed items together and write each one's rollout while its claim holds;
+    the claims are renewed from a side thread while it generates and while it uploads."""
+    renewer = _Renewer(ex, [claim for claim, _ in got], xcfg.lease_s / 4, pulse)
+    renewer.start()
+    try:
+        items = [item for _, item in got]
+        prompts = [p for item in items for p in item.prompts]
+        seeds = [s for item in items for s in item.seeds]
+        try:  # every claim lost (revoked by the trainer, or taken over) stops the work
+            result = sampler.rollout(prompts, seeds, stop=renewer.lost)
+        except RolloutAborted:
+            log_fn(f"sampler {sampler_id}: lost the claims on items {[i.id for i in items]}")
+            return
+        n, lo = sampler.engine.config.n_samples, 0
+        for k, item in enumerate(items):
+            part = result.rows(lo, lo + n * len(item.prompts))
+            lo += n * len(item.prompts)
             rollout = Rollout(
-                item.id, sampler_id, epoch, sampler.version, sampler.receiver.state_digest, result
+                item.id, sampler_id, epoch, sampler.version, sampler.receiver.state_digest, part
             )
             try:
-                if renewer.claim is not None and ex.is_open(item.id):
+                if renewer.claims[k] is not None and ex.is_open(item.id):
                     ex.put_rollout(rollout)
                     done.append(item.id)
             except _EXCHANGE_ERRORS as e:  # the item's claim will lapse and it is re-issued
                 log_fn(f"sampler {sampler_id}: could not write the rollout of item {item.id}: {e}")
-        finally:
-            renewer.stop()
+    finally:
+        renewer.stop()
 
 
 def _summary(sampler_id: str, code: int, done: list[int], versions: list) -> dict:

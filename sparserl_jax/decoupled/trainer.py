@@ -3,18 +3,20 @@
 It owns the data pipeline, the learner, the checkpoints and the PULSESync publisher; it meets
 the samplers only through the exchange. One step:
 
-    1. keep `async.max_staleness + 1` work items outstanding (`WorkQueue.fill`);
-    2. wait for the oldest usable READY rollout (idle time: `async/trainer_wait_s`); a rollout
-       more than `max_staleness` versions behind, from weights outside this run's lineage, or
-       whose weights digest is not the one published for its version, is dropped and its
-       prompts re-issued; so are items whose claim lapsed;
+    1. keep `async.max_staleness + 1` batches in flight as work items of a few groups each,
+       paced by the oldest weights each may be sampled with (`WorkQueue.fill`);
+    2. wait until every item of the oldest batch has a usable READY rollout (idle time:
+       `async/trainer_wait_s`); a rollout from weights outside this run's lineage, whose
+       weights digest is not the one published for its version, or (pacing defeated) more
+       than `max_staleness` versions behind, is dropped and its item re-issued with the same
+       prompts and seeds; so are items whose claim lapsed;
     3. the learn half of `sparserl train`'s step (`step.learn_step`): rewards, advantages,
        pi_old = the trainer's current published weights (dense recompute), the gated passes,
        publication of the next version;
-    4. a ledger row, a metrics row, a checkpoint every `train.save_every` steps.
+    4. a ledger row per item, a metrics row, a checkpoint every `train.save_every` steps.
 
 Resume (the same command after kill -9): the checkpoint holds the learner state, the data
-iterator state, the queue (next ids, outstanding items, prompts to re-issue), the ledger position
+iterator state, the queue (next ids, the batches in flight and their items), the ledger position
 and the sync version; the ledger is cut back to that position, a new incarnation (epoch) is
 registered, and PULSESync restarts from an anchor of the checkpointed weights under the same run
 id on the epoch's own key prefix.
@@ -61,6 +63,7 @@ from sparserl_jax.metrics import (
 )
 from sparserl_jax.parallel import make_mesh
 from sparserl_jax.rl import Learner
+from sparserl_jax.rollout import RolloutResult
 from sparserl_jax.sft import sft_warm_start
 from sparserl_jax.step import learn_step
 from sparserl_jax.sync import Publisher, new_run_id
@@ -201,6 +204,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
         max_prompt_len=cfg.rollout.max_prompt_len,
         max_staleness=acfg.max_staleness,
         lease_s=xcfg.lease_s,
+        groups_per_item=acfg.groups_per_item,
         state=qstate,
         log_fn=log_fn,
     )
@@ -249,15 +253,16 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
             while got is None and not guard.requested:
                 pulse.check()  # superseded: stop here, before any write
                 queue.fill(publisher.version)
-                got = queue.next_rollout(step + 1, publisher.version, usable)
+                got = queue.ready_batch(step + 1, publisher.version, usable)
                 if got is None:
                     time.sleep(xcfg.poll_s)
                     t_wait = time.perf_counter() - t_step
             if got is None:
                 break
             step += 1
-            item, rollout = got
-            staleness = publisher.version - rollout.weight_version
+            items, rollouts = got
+            result = RolloutResult.concat([r.result for r in rollouts])
+            staleness_i = [publisher.version - r.weight_version for r in rollouts]
             out = learn_step(
                 cfg,
                 learner,
@@ -265,33 +270,35 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
                 publisher,
                 reward_fn,
                 tokenizer,
-                examples=item.examples,
-                result=rollout.result,
+                examples=[e for item in items for e in item.examples],
+                result=result,
                 step=step,
             )
             state = out.state
             pulse.step, pulse.version = step, publisher.version
             usable.version = publisher.version
             usable.digests[publisher.version] = publisher.state_digest
-            staleness_seen.append(staleness)
+            staleness_seen += staleness_i
             rewards_seen.append(float(out.rewards.mean()))
             queue.consumed(
-                item,
-                {
-                    "step": step,
-                    "sampler": rollout.sampler,
-                    "weight_version": rollout.weight_version,
-                    "staleness": staleness,
-                    "verified": True,
-                    "epoch": epoch,
-                    "rollout_epoch": rollout.epoch,
-                },
+                [
+                    {
+                        "step": step,
+                        "sampler": r.sampler,
+                        "weight_version": r.weight_version,
+                        "staleness": s,
+                        "verified": True,
+                        "epoch": epoch,
+                        "rollout_epoch": r.epoch,
+                    }
+                    for r, s in zip(rollouts, staleness_i, strict=True)
+                ]
             )
             t_total = time.perf_counter() - t_step
             row = step_metrics(
                 rewards=out.rewards,
                 advantages=out.advantages,
-                rollout=rollout.result,
+                rollout=result,
                 max_new_tokens=cfg.rollout.max_new_tokens,
                 history=out.history,
                 published=out.published,
@@ -304,7 +311,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
             row.update(
                 {
                     "sync/verified": True,  # the rollout's weights digest matched (`_Usable`)
-                    "async/staleness": staleness,
+                    "async/staleness": float(np.mean(staleness_i)),
                     "async/staleness_mean": float(np.mean(staleness_seen)),
                     "async/staleness_max": int(max(staleness_seen)),
                     "async/dropped_stale": queue.counts["stale"],
@@ -312,12 +319,13 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
                     "async/dropped": sum(queue.counts.values()),
                     "async/trainer_wait_s": t_wait,
                     "async/samplers_alive": pulse.samplers_alive(),
-                    "async/sampler": rollout.sampler,
+                    "async/samplers": len({r.sampler for r in rollouts}),
+                    "async/items": len(rollouts),
                     "perf/steps_per_s": 1.0 / max(t_total, 1e-9),
                 }
             )
             # The correction's metrics again under the staleness they were measured at.
-            split = "correction_fresh/" if staleness == 0 else "correction_stale/"
+            split = "correction_fresh/" if max(staleness_i) == 0 else "correction_stale/"
             row.update({split + k[11:]: v for k, v in row.items() if k.startswith("correction/")})
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
                 row.update(evaluate(step, None))

@@ -171,6 +171,40 @@ class RolloutResult:
     evict_pos: np.ndarray | None = None  # int32 [R, Y', K', T]
     first_evicted: np.ndarray | None = None  # int32 [R]
 
+    def rows(self, lo: int, hi: int) -> RolloutResult:
+        """Requests `lo:hi` (whole groups when both are multiples of `n_samples`); `stats` are
+        the whole rollout's but for `generated_tokens`, the slice's own."""
+        cut = {
+            f.name: None if (v := getattr(self, f.name)) is None else v[lo:hi]
+            for f in dataclasses.fields(self)
+            if f.name != "stats"
+        }
+        stats = {**self.stats, "generated_tokens": int(cut["completion_lens"].sum())}
+        return RolloutResult(**cut, stats=stats)
+
+    @classmethod
+    def concat(cls, parts: list[RolloutResult]) -> RolloutResult:
+        """The parts' requests in order, as one rollout (the inverse of `rows`): a batch
+        assembled from work items rolled out apart. `stats` add up (`seconds` is the longest
+        part's, `kv_peak_bytes` the largest, `tokens_per_s` from those)."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            vals = [getattr(p, f.name) for p in parts]
+            if f.name == "prompt_ids":
+                out[f.name] = [row for v in vals for row in v]
+            elif f.name != "stats":
+                out[f.name] = None if any(v is None for v in vals) else np.concatenate(vals)
+        generated = sum(int(p.stats.get("generated_tokens", 0)) for p in parts)
+        seconds = max((float(p.stats.get("seconds", 0.0)) for p in parts), default=0.0)
+        stats = {
+            "generated_tokens": generated,
+            "seconds": seconds,
+            "tokens_per_s": generated / seconds if seconds > 0 else float("nan"),
+            "kv_peak_bytes": max(int(p.stats.get("kv_peak_bytes", 0)) for p in parts),
+            "chunks": max(int(p.stats.get("chunks", 0)) for p in parts),
+        }
+        return cls(**out, stats=stats)
+
     def sequences(self, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The learner's layout: `tokens_bt` = prompt ++ completion ++ padding (left-aligned,
         width `max(prompt_lens) + max_new`), `mask_bt` on the completion tokens and

@@ -23,7 +23,7 @@ from sparserl_jax.checkpoint import CheckpointMismatchError
 from sparserl_jax.config import ConfigError, load_config, to_dict
 from sparserl_jax.decoupled.config import refuse_adaptive_kv
 from sparserl_jax.decoupled.exchange import SupersededError
-from sparserl_jax.decoupled.launch import launch
+from sparserl_jax.decoupled.launch import launch, parse_cpus
 from sparserl_jax.decoupled.sampler_job import run_sampler
 from sparserl_jax.decoupled.trainer import exchange_url, run_trainer
 from sparserl_jax.generate import run_generate
@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     smp.add_argument("--id", required=True, help="this sampler's id (any short name)")
     lau = sub.add_parser("launch", help="the trainer and N samplers as local subprocesses")
     lau.add_argument("--samplers", type=int, required=True, help="how many sampler jobs")
+    lau.add_argument("--trainer-cpus", help="pin the trainer to these CPUs, e.g. 0-7 (Linux)")
+    lau.add_argument("--sampler-cpus", help="pin every sampler to these CPUs, e.g. 8-15")
     debug_help = "re-raise errors with the traceback instead of a one-line message"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     for p in (tr, gen, job, smp, lau):
@@ -68,8 +70,11 @@ def main(argv: list[str] | None = None) -> int:
             refuse_adaptive_kv(cfg.rollout)
         if args.command in ("train", "trainer", "launch"):
             check_config(cfg)
-        if args.command == "launch" and args.samplers < 1:
-            raise ValueError(f"--samplers must be >= 1, got {args.samplers}")
+        if args.command == "launch":
+            if args.samplers < 1:
+                raise ValueError(f"--samplers must be >= 1, got {args.samplers}")
+            pins = {"trainer_cpus": parse_cpus(args.trainer_cpus)}
+            pins["sampler_cpus"] = parse_cpus(args.sampler_cpus)
     except USAGE_ERRORS as e:
         if args.debug:
             raise
@@ -90,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(summary))
             return summary["exit_code"]
         elif args.command == "launch":
-            return launch(cfg, args.config, args.overrides, args.samplers, log_fn=log)
+            return launch(cfg, args.config, args.overrides, args.samplers, **pins, log_fn=log)
         else:
             summary = run_generate(cfg)
             summary["config"] = to_dict(cfg)

@@ -198,11 +198,24 @@ class Sampler:
         bits = self.receiver.tree(self.treedef, self.names)
         return published_params(bits, self.like, self.publish_dtype)
 
-    def rollout(self, prompts: list[list[int]], seeds: list[int], *, stop=None) -> RolloutResult:
+    def rollout(
+        self, prompts: list[list[int]], seeds: list[int], *, stop=None, refresh=None
+    ) -> RolloutResult:
         """Sample `rollout.n_samples` completions per prompt with the held weights; `stop`: the
-        engine's hook, asked between decode chunks (`RolloutAborted` when it says so)."""
+        engine's hook, asked between decode chunks (`RolloutAborted` when it says so);
+        `refresh() -> bool`, asked there too: True when it synced newer weights, which the
+        sequences in flight continue with (partial rollouts)."""
+
+        def newer():
+            return (self.params(), self.version) if refresh() else None
+
         return self.engine.generate(
-            prompts, params=self.params(), weight_version=self.version, seeds=seeds, stop=stop
+            prompts,
+            params=self.params(),
+            weight_version=self.version,
+            seeds=seeds,
+            stop=stop,
+            refresh=None if refresh is None else newer,
         )
 
     def evaluate(

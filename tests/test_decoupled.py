@@ -385,3 +385,48 @@ def test_a_superseded_trainer_stops_before_writing_more(tmp_path):
     assert ex.item_ids() == items and ex.closed_ids() == set()
     assert sorted(os.listdir(tmp_path / "checkpoints")) == checkpoints
     assert Ledger(tmp_path).rows("consumed") == [] and Ledger(tmp_path).rows("dropped") == []
+
+
+@pytest.mark.slow
+def test_a_sampler_takes_new_weights_mid_rollout(tmp_path, monkeypatch):
+    """Partial rollouts: one sampler at staleness 1 rolls out batch 1 with version 0 while the
+    trainer learns from batch 0; its second rollout waits at its first chunk boundary until
+    version 1 is published, takes it, and finishes with it. The trainer accepts the rollout
+    (every version used verified), reports its tokens' staleness and the sequences that span
+    two versions, and drops nothing."""
+    from sparserl_jax.decoupled import sampler_job
+
+    made = []
+    call = sampler_job._Refresh.__call__
+
+    def waiting_call(self):
+        if len(made) == 2 and self is made[1] and len(self.used) == 1:  # 2nd rollout, not yet
+            deadline = time.monotonic() + 120
+            while self.transport.versions("patch")[-1:] in ([], [0]):
+                assert time.monotonic() < deadline, "version 1 was never published"
+                time.sleep(0.05)
+            self._last = 0.0
+        return call(self)
+
+    init = sampler_job._Refresh.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    monkeypatch.setattr(sampler_job._Refresh, "__call__", waiting_call)
+    monkeypatch.setattr(sampler_job._Refresh, "__init__", recording_init)
+    common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=1", *FAST]
+    cfg = load_config(TINY, [*common, "train.steps=2", "rollout.chunk_steps=2"])
+    summary, got = _threads(cfg, cfg, ts.Context())
+    assert summary["end_step"] == 2 and summary["dropped"] == {}, summary
+    assert made[1].used.keys() == {0, 1}
+    rows = Ledger(tmp_path).rows("consumed")
+    # Staleness is the oldest token's: 4 slots hold items 0 and 1 (2 samples each) from the
+    # start, with version 0; items 2 and 3 are prefilled after the swap, all with version 1.
+    assert [r["staleness"] for r in rows if r["step"] == 2] == [1, 1, 0, 0]
+    metrics = [m for m in read_metrics(tmp_path / "metrics.jsonl") if "critic/score/mean" in m]
+    assert metrics[0]["async/spanning_versions_fraction"] == 0.0
+    assert metrics[1]["async/spanning_versions_fraction"] > 0
+    assert metrics[1]["async/token_staleness_max"] == 1
+    assert 0 < metrics[1]["async/token_staleness_mean"] < 1

@@ -79,12 +79,18 @@ class AsyncConfig:
         a GRPO group): the unit samplers claim and the trainer re-issues. Samplers share a
         batch at this grain, so N samplers keep busy without more staleness.
       sampler_groups: the most work items a sampler claims and rolls out together (one
-        engine call); 0 is its fair share: the claimable items divided by the samplers alive.
+        engine call); 0 is its fair share: the items in flight divided by the samplers alive.
+      partial_rollouts: a sampler takes newer published weights between decode chunks and
+        continues its sequences with them (their cached keys and values stay those of the
+        weights that computed them); each token records its version and behaviour logprob,
+        and the correction's per-token rho covers the mix. No effect at `max_staleness` 0
+        (no newer weights appear while a batch is rolled out).
     """
 
     max_staleness: int = 2
     groups_per_item: int = 1
     sampler_groups: int = 0
+    partial_rollouts: bool = True
 
     def __post_init__(self):
         if self.max_staleness < 0:

@@ -8,11 +8,13 @@ child. A sampler that dies while the trainer runs is started again, at most `RES
 each; when no sampler is left, the trainer is stopped (SIGTERM: it checkpoints) and `launch`
 exits non-zero, saying which samplers ended how. Otherwise the exit status is the trainer's;
 samplers still running when it ends get `exchange.poll_s`-paced time to see the trainer's last
-heartbeat, then SIGTERM.
+heartbeat, then SIGTERM. `--trainer-cpus` / `--sampler-cpus` (Linux) pin the jobs to CPU sets,
+so the learner and the samplers do not take each other's cores.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -21,28 +23,60 @@ from pathlib import Path
 
 from sparserl_jax.config import Config
 
-__all__ = ["NO_SAMPLERS", "RESTARTS", "launch"]
+__all__ = ["NO_SAMPLERS", "RESTARTS", "launch", "parse_cpus"]
 
 RESTARTS = 3  # per sampler, while the trainer runs
 NO_SAMPLERS = 4  # exit status: every sampler died, restarts spent; the trainer was stopped
 WATCH_S = 0.5  # how often the children are looked at
 
 
-def _spawn(argv: list[str], log: Path, out: Path | None = None) -> subprocess.Popen:
+def parse_cpus(spec: str | None) -> set[int] | None:
+    """A CPU list (`0`, `0-3`, `0,2,4-7`) as a set, checked against the CPUs this process may
+    use; None for None."""
+    if spec is None:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in spec.split(","):
+            lo, _, hi = part.strip().partition("-")
+            cpus |= set(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"CPU list {spec!r} is not like 0,2,4-7") from None
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if allowed is None:
+        raise ValueError("pinning jobs to CPUs needs Linux (os.sched_setaffinity)")
+    if not cpus or not cpus <= allowed:
+        raise ValueError(f"CPU list {spec!r} is not within the CPUs allowed here {sorted(allowed)}")
+    return cpus
+
+
+def _spawn(
+    argv: list[str], log: Path, out: Path | None = None, cpus: set[int] | None = None
+) -> subprocess.Popen:
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
     with log.open("ab") as err:
         stdout = out.open("wb") if out is not None else err
         try:
-            return subprocess.Popen(argv, stdout=stdout, stderr=err, start_new_session=True)
+            return subprocess.Popen(
+                argv, stdout=stdout, stderr=err, start_new_session=True, preexec_fn=pin
+            )
         finally:
             if out is not None:
                 stdout.close()
 
 
 def launch(
-    cfg: Config, config_path: str, overrides: list[str], samplers: int, *, log_fn=print
+    cfg: Config,
+    config_path: str,
+    overrides: list[str],
+    samplers: int,
+    *,
+    trainer_cpus: set[int] | None = None,
+    sampler_cpus: set[int] | None = None,
+    log_fn=print,
 ) -> int:
     """Start the jobs, watch them until the trainer ends, return its exit status (or
-    `NO_SAMPLERS`)."""
+    `NO_SAMPLERS`). `trainer_cpus` / `sampler_cpus`: CPU sets to pin the jobs to."""
     if samplers < 1:
         raise ValueError(f"--samplers must be >= 1, got {samplers}")
     logs = Path(cfg.run_dir) / "logs"
@@ -52,12 +86,15 @@ def launch(
         [*base, "trainer", config_path, *overrides],
         logs / "trainer.log",
         logs / "trainer.json",
+        trainer_cpus,
     )
     log_fn(f"launch: trainer pid {trainer.pid}, log {logs / 'trainer.log'}")
 
     def start_sampler(i: int) -> subprocess.Popen:
         log = logs / f"sampler-{i}.log"
-        p = _spawn([*base, "sampler", config_path, "--id", str(i), *overrides], log)
+        p = _spawn(
+            [*base, "sampler", config_path, "--id", str(i), *overrides], log, None, sampler_cpus
+        )
         log_fn(f"launch: sampler {i} pid {p.pid}, log {log}")
         return p
 

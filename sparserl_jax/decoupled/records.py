@@ -69,7 +69,9 @@ class Claim:
 
 @dataclasses.dataclass(frozen=True)
 class Rollout:
-    """A rollout blob, decoded: the result and who made it with which weights."""
+    """A rollout blob, decoded: the result and who made it with which weights.
+    `weight_version` is the oldest version it used and `state_digest` that version's digest;
+    `versions`: every version it used (weights taken mid-rollout) with its digest."""
 
     item: int
     sampler: str
@@ -77,6 +79,11 @@ class Rollout:
     weight_version: int
     state_digest: str
     result: RolloutResult
+    versions: dict[int, str] | None = None
+
+    def used(self) -> dict[int, str]:
+        """Every weight version this rollout sampled with, and its weights' digest."""
+        return self.versions or {self.weight_version: self.state_digest}
 
 
 _ARRAYS = (
@@ -89,6 +96,9 @@ _ARRAYS = (
     "weight_version",
     "finished_by_stop",
 )
+# Present when the sampler kept them: the eviction record (`rollout.record_evictions`), the
+# first token after an eviction (a compressed cache), each token's weight version.
+_OPTIONAL = ("evict_pos", "first_evicted", "token_version")
 
 
 def encode_rollout(r: Rollout) -> bytes:
@@ -104,6 +114,7 @@ def encode_rollout(r: Rollout) -> bytes:
         "epoch": r.epoch,
         "weight_version": r.weight_version,
         "state_digest": r.state_digest,
+        "versions": None if r.versions is None else {str(v): d for v, d in r.versions.items()},
         "stats": {k: v for k, v in res.stats.items() if isinstance(v, (int, float, str, bool))},
     }
     buf = io.BytesIO()
@@ -112,13 +123,11 @@ def encode_rollout(r: Rollout) -> bytes:
         meta=np.frombuffer(json.dumps(meta).encode(), np.uint8),
         prompt_ids=prompts,
         **{k: np.asarray(getattr(res, k)) for k in _ARRAYS},
-        # The eviction record, when the sampler kept one (`rollout.record_evictions`).
-        **({} if res.evict_pos is None else {"evict_pos": np.asarray(res.evict_pos, np.int32)}),
-        **(
-            {}
-            if res.first_evicted is None
-            else {"first_evicted": np.asarray(res.first_evicted, np.int32)}
-        ),
+        **{
+            k: np.asarray(getattr(res, k), np.int32)
+            for k in _OPTIONAL
+            if getattr(res, k) is not None
+        },
     )
     return buf.getvalue()
 
@@ -129,7 +138,7 @@ def decode_rollout(blob: bytes) -> Rollout:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             meta = json.loads(z["meta"].tobytes())
             arrays = {k: z[k] for k in _ARRAYS}
-            for k in ("evict_pos", "first_evicted"):  # optional
+            for k in _OPTIONAL:
                 arrays[k] = z[k] if k in z.files else None
             prompts = z["prompt_ids"]
     except (ValueError, KeyError, OSError, EOFError) as e:
@@ -140,6 +149,7 @@ def decode_rollout(blob: bytes) -> Rollout:
         stats=meta["stats"],
         **arrays,
     )
+    versions = meta.get("versions")
     return Rollout(
         meta["item"],
         meta["sampler"],
@@ -147,4 +157,5 @@ def decode_rollout(blob: bytes) -> Rollout:
         meta["weight_version"],
         meta["state_digest"],
         result,
+        None if versions is None else {int(v): d for v, d in versions.items()},
     )

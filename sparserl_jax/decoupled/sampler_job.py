@@ -31,6 +31,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 from flax import nnx
 
 from sparserl_jax.build import build_model, build_tokenizer
@@ -141,7 +142,8 @@ class _Claimer:
     (`min_version`), from batches whose items are all open (never a batch half issued), at
     most `limit` of them, or with `limit` 0 its fair share: the items in flight divided by
     the samplers alive (a sampler is alive while its pulse changes within `lease_s` of this
-    clock), so N samplers split a batch N ways."""
+    clock), at most a batch's, so N samplers split a batch N ways and one sampler alone takes
+    a batch at a time (the next with newer weights, while the trainer learns)."""
 
     def __init__(self, ex: Exchange, sampler_id: str, limit: int, lease_s: float):
         self.ex, self.sampler_id, self.limit, self.lease_s = ex, sampler_id, limit, lease_s
@@ -181,7 +183,8 @@ class _Claimer:
         if not free:
             return []
         in_flight = sum(len(its) for b, its in by_batch.items() if b in whole)
-        share = self.limit or -(-in_flight // self._alive())
+        batch = max(len(its) for b, its in by_batch.items() if b in whole)
+        share = self.limit or min(-(-in_flight // self._alive()), batch)
         got = []
         for item in free:
             claim = self.ex.claim(item.id, self.sampler_id)
@@ -283,10 +286,40 @@ def run_sampler(
         if not got:
             time.sleep(xcfg.poll_s)
             continue
-        _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn)
+        partial = cfg.async_.partial_rollouts and cfg.async_.max_staleness > 0
+        refresh = _Refresh(sampler, transport, epoch, xcfg.poll_s, log_fn) if partial else None
+        _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn, refresh)
 
 
-def _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn) -> None:
+class _Refresh:
+    """Between decode chunks (at most every `poll_s`): sync newer published weights, so the
+    sequences in flight continue with them (partial rollouts). Remembers every version used
+    and its digest; a failed look (exchange, sync) keeps the weights held."""
+
+    def __init__(self, sampler: Sampler, transport, epoch: int, poll_s: float, log_fn):
+        self.sampler, self.transport, self.epoch = sampler, transport, epoch
+        self.poll_s, self.log, self._last = poll_s, log_fn, time.monotonic()
+        self.used = {sampler.version: sampler.receiver.state_digest}
+
+    def __call__(self) -> bool:
+        if time.monotonic() - self._last < self.poll_s:
+            return False
+        self._last = time.monotonic()
+        before = self.sampler.version
+        try:
+            events = self.sampler.sync(self.transport)
+        except (SyncError, *_EXCHANGE_ERRORS):
+            return False
+        for e in events:
+            state = "verified bit-identical" if e.error is None else f"refused: {e.error}"
+            self.log(f"sampler: mid-rollout {e.kind} {e.version} {state}")
+        if self.sampler.version == before:
+            return False
+        self.used[self.sampler.version] = self.sampler.receiver.state_digest
+        return True
+
+
+def _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn, refresh) -> None:
     """Roll out the claimed items together and write each one's rollout while its claim holds;
     the claims are renewed from a side thread while it generates and while it uploads."""
     renewer = _Renewer(ex, [claim for claim, _ in got], xcfg.lease_s / 4, pulse)
@@ -296,7 +329,7 @@ def _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn) ->
         prompts = [p for item in items for p in item.prompts]
         seeds = [s for item in items for s in item.seeds]
         try:  # every claim lost (revoked by the trainer, or taken over) stops the work
-            result = sampler.rollout(prompts, seeds, stop=renewer.lost)
+            result = sampler.rollout(prompts, seeds, stop=renewer.lost, refresh=refresh)
         except RolloutAborted:
             log_fn(f"sampler {sampler_id}: lost the claims on items {[i.id for i in items]}")
             return
@@ -304,9 +337,12 @@ def _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn) ->
         for k, item in enumerate(items):
             part = result.rows(lo, lo + n * len(item.prompts))
             lo += n * len(item.prompts)
-            rollout = Rollout(
-                item.id, sampler_id, epoch, sampler.version, sampler.receiver.state_digest, part
-            )
+            versions = {int(v) for v in np.unique(part.token_version[part.completion_mask])}
+            used = refresh.used if refresh is not None else {}
+            used = {v: used[v] for v in versions} if used else None
+            oldest = int(part.weight_version.min())
+            digest = used[oldest] if used else sampler.receiver.state_digest
+            rollout = Rollout(item.id, sampler_id, epoch, oldest, digest, part, used)
             try:
                 if renewer.claims[k] is not None and ex.is_open(item.id):
                     ex.put_rollout(rollout)

@@ -124,13 +124,16 @@ class _Usable:
         self.epoch = epoch
 
     def __call__(self, r: Rollout) -> tuple[bool, str, int]:
-        staleness = self.version - r.weight_version
+        """Judged on every version it used (weights taken mid-rollout): the newest must be in
+        the lineage, the oldest within `max_staleness`, each one's digest the published one."""
+        used = r.used()
+        staleness, newest = self.version - min(used), max(used)
         later = [v for e, v in self.starts.items() if r.epoch < e <= self.epoch]
-        if r.weight_version > min(later, default=r.weight_version) or staleness < 0:
+        if newest > min(later, default=newest) or newest > self.version:
             return False, "orphaned", staleness
         if staleness > self.max_staleness:
             return False, "stale", staleness
-        if self.digests.get(r.weight_version) != r.state_digest:
+        if any(self.digests.get(v) != d for v, d in used.items()):
             return False, "unverified", staleness
         return True, "", staleness
 
@@ -263,6 +266,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
             items, rollouts = got
             result = RolloutResult.concat([r.result for r in rollouts])
             staleness_i = [publisher.version - r.weight_version for r in rollouts]
+            tokens = _token_staleness(result, publisher.version)
             out = learn_step(
                 cfg,
                 learner,
@@ -312,6 +316,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
                 {
                     "sync/verified": True,  # the rollout's weights digest matched (`_Usable`)
                     "async/staleness": float(np.mean(staleness_i)),
+                    **tokens,
                     "async/staleness_mean": float(np.mean(staleness_seen)),
                     "async/staleness_max": int(max(staleness_seen)),
                     "async/dropped_stale": queue.counts["stale"],
@@ -357,6 +362,23 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
         log_fn(f"stopped by signal at step {step}; checkpoint saved")
         summary["stopped_by_signal"] = True
     return summary
+
+
+def _token_staleness(result: RolloutResult, version: int) -> dict[str, float]:
+    """Per completion token, the version trained minus the version it was sampled with, and the
+    fraction of sequences whose tokens came from more than one version (weights taken
+    mid-rollout)."""
+    if result.token_version is None:  # a blob from before per-token versions
+        return {}
+    mask = result.completion_mask
+    tv = np.where(mask, result.token_version, 0)
+    stale = (version - tv)[mask]
+    lo = np.where(mask, tv, np.iinfo(np.int32).max).min(axis=1)
+    return {
+        "async/token_staleness_mean": float(stale.mean()) if stale.size else 0.0,
+        "async/token_staleness_max": int(stale.max(initial=0)),
+        "async/spanning_versions_fraction": float(np.mean(tv.max(axis=1) > lo)),
+    }
 
 
 class _Pulse(threading.Thread):

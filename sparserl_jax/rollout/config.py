@@ -156,6 +156,10 @@ class RolloutResult:
     (`kvcache.evictions`), T = max_prompt_len + max_new. `first_evicted` (a compressed cache,
     else None): int32 `[R]`, the index of the first completion token sampled from logits that
     an eviction had already affected (`NEVER` = int32 max when nothing was evicted in time).
+    `token_version` (int32 `[R, max_new]`, 0 after the completion; None from older blobs): the
+    weight version whose logits each token was sampled from; with weights taken mid-rollout
+    (partial rollouts) a row spans several, and `weight_version` is its first token's, the
+    oldest.
     """
 
     prompt_ids: list[list[int]]
@@ -170,6 +174,7 @@ class RolloutResult:
     stats: dict[str, Any]
     evict_pos: np.ndarray | None = None  # int32 [R, Y', K', T]
     first_evicted: np.ndarray | None = None  # int32 [R]
+    token_version: np.ndarray | None = None  # int32 [R, max_new]
 
     def rows(self, lo: int, hi: int) -> RolloutResult:
         """Requests `lo:hi` (whole groups when both are multiples of `n_samples`); `stats` are

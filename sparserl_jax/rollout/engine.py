@@ -301,12 +301,17 @@ class RolloutEngine:
         weight_version: int = 0,
         seeds: Sequence[int] | None = None,
         stop: Callable[[], bool] | None = None,
+        refresh: Callable[[], tuple[Any, int] | None] | None = None,
     ) -> RolloutResult:
         """Sample `n_samples` completions of every prompt (see `RolloutResult` for the layout).
 
         `params`: an `nnx` pure dict of the model state (e.g. the published bf16 weights);
         None uses the model's own. `seeds`: one per prompt (default: derived from config.seed).
         `stop`: asked between decode chunks; True abandons the rollout (`RolloutAborted`).
+        `refresh`: asked between decode chunks; `(params, version)` of newer weights continues
+        every sequence in flight with them (partial rollouts: the cached keys and values stay
+        those of the weights that computed them). Each token records the version of the
+        weights whose logits it was sampled from (`token_version`).
         """
         cfg = self.config
         self._check_prompts(prompts, seeds)
@@ -328,14 +333,20 @@ class RolloutEngine:
         first_evicted = np.full(num_req, NEVER, np.int32)
         stopped = np.zeros(num_req, bool)
         record = None  # [R, Y', K', T] when recording evictions
+        version = weight_version
+        out_ver = np.zeros((num_req, cfg.max_new_tokens), np.int32)
 
         cache, slots = self._init()
         s = cfg.num_slots
         slot_req = np.full(s, -1, np.int64)
+        logits_ver = np.full(s, version, np.int64)  # the weights each slot's kept logits came from
         waiting = list(range(num_req))
         free_pages, pages_s = cfg.pool_pages, np.zeros(s, np.int64)
         chunks = 0
         while waiting or (slot_req >= 0).any():
+            newer = refresh() if refresh is not None and chunks else None
+            if newer is not None:
+                params, version = newer
             fill = self._admit(slot_req, waiting, free_pages, pages_s)
             if fill.any():
                 tokens_sp = np.zeros((s, cfg.max_prompt_len), np.int32)
@@ -349,6 +360,7 @@ class RolloutEngine:
                 cache, slots = self._prefill(
                     params, cache, slots, tokens_sp, lens_s, fill, req_s4.astype(np.uint32)
                 )
+                logits_ver[fill] = version
             if stop is not None and stop():
                 raise RolloutAborted(f"rollout abandoned after {chunks} decode chunks")
             cache, slots, out = self._chunk(params, cache, slots)
@@ -369,6 +381,10 @@ class RolloutEngine:
                 k = int(emitted.sum())
                 out_tok[r, lens[r] : lens[r] + k] = out_h.tokens_sc[slot, emitted]
                 out_logp[r, lens[r] : lens[r] + k] = out_h.logp_sc[slot, emitted]
+                if k:  # the first from logits kept from before this chunk, the rest from its own
+                    out_ver[r, lens[r]] = logits_ver[slot]
+                    out_ver[r, lens[r] + 1 : lens[r] + k] = version
+                    logits_ver[slot] = version
                 lens[r] += k
                 if not active[slot]:
                     evicted[r], stopped[r] = evicted_s[slot], stop_s[slot]
@@ -386,10 +402,11 @@ class RolloutEngine:
             prompt_lens=np.array([len(prompts[r // n]) for r in range(num_req)], np.int32),
             completion_lens=lens,
             tokens_evicted=evicted,
-            weight_version=np.full(num_req, weight_version, np.int32),
+            weight_version=out_ver[:, 0].copy(),  # its first token's: the oldest it used
             finished_by_stop=stopped,
             evict_pos=record,
             first_evicted=first_evicted if cfg.sparse else None,
+            token_version=np.where(mask, out_ver, 0).astype(np.int32),
             stats={
                 "generated_tokens": generated,
                 "seconds": seconds,

@@ -21,7 +21,7 @@ import yaml
 
 from sparserl_jax.checkpoint import CheckpointMismatchError
 from sparserl_jax.config import ConfigError, load_config, to_dict
-from sparserl_jax.decoupled.config import refuse_adaptive_kv
+from sparserl_jax.decoupled.config import check_partial_cache, refuse_adaptive_kv
 from sparserl_jax.decoupled.exchange import SupersededError
 from sparserl_jax.decoupled.launch import launch, parse_cpus
 from sparserl_jax.decoupled.sampler_job import run_sampler
@@ -68,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.command in ("trainer", "sampler", "launch"):
             refuse_adaptive_kv(cfg.rollout)
+            check_partial_cache(cfg.async_, cfg.rollout)
         if args.command in ("train", "trainer", "launch"):
             check_config(cfg)
         if args.command == "launch":

@@ -199,12 +199,19 @@ class Sampler:
         return published_params(bits, self.like, self.publish_dtype)
 
     def rollout(
-        self, prompts: list[list[int]], seeds: list[int], *, stop=None, refresh=None
+        self,
+        prompts: list[list[int]],
+        seeds: list[int],
+        *,
+        stop=None,
+        refresh=None,
+        recompute_cache: bool = False,
     ) -> RolloutResult:
         """Sample `rollout.n_samples` completions per prompt with the held weights; `stop`: the
         engine's hook, asked between decode chunks (`RolloutAborted` when it says so);
         `refresh() -> bool`, asked there too: True when it synced newer weights, which the
-        sequences in flight continue with (partial rollouts)."""
+        sequences in flight continue with (partial rollouts; `recompute_cache`: each
+        sequence's cache rebuilt with them, see `RolloutEngine.generate`)."""
 
         def newer():
             return (self.params(), self.version) if refresh() else None
@@ -216,6 +223,7 @@ class Sampler:
             seeds=seeds,
             stop=stop,
             refresh=None if refresh is None else newer,
+            recompute_cache=recompute_cache,
         )
 
     def evaluate(

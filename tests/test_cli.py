@@ -30,6 +30,17 @@ def test_decoupled_jobs_refuse_the_adaptive_budget(tmp_path, capsys):
         assert "rollout.kv.adaptive.enabled=true works with `sparserl train` only" in err
 
 
+def test_decoupled_jobs_refuse_to_recompute_a_compressed_cache(tmp_path, capsys):
+    for job in (["trainer"], ["sampler", "--id", "s0"], ["launch", "--samplers", "1"]):
+        argv = [*job, "configs/tiny.yaml", f"run_dir={tmp_path}"]
+        assert main([*argv, "async.partial_cache=recompute"]) == 2  # tiny: R-KV at budget 12
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert "async.partial_cache=recompute needs a dense cache, but" in err
+    assert main(["trainer", "configs/tiny.yaml", "async.partial_cache=redo"]) == 2
+    assert "partial_cache must be auto, recompute or keep" in capsys.readouterr().err
+
+
 def test_a_superseded_trainer_exits_5_in_one_line(tmp_path, capsys, monkeypatch):
     from sparserl_jax import cli
     from sparserl_jax.decoupled.exchange import SupersededError

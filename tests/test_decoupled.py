@@ -388,12 +388,14 @@ def test_a_superseded_trainer_stops_before_writing_more(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_sampler_takes_new_weights_mid_rollout(tmp_path, monkeypatch):
+@pytest.mark.parametrize("cache", ["keep", "recompute"])
+def test_a_sampler_takes_new_weights_mid_rollout(tmp_path, monkeypatch, cache):
     """Partial rollouts: one sampler at staleness 1 rolls out batch 1 with version 0 while the
     trainer learns from batch 0; its second rollout waits at its first chunk boundary until
-    version 1 is published, takes it, and finishes with it. The trainer accepts the rollout
-    (every version used verified), reports its tokens' staleness and the sequences that span
-    two versions, and drops nothing."""
+    version 1 is published, takes it, and finishes with it (keeping the R-KV cache, or
+    rebuilding a dense one). The trainer accepts the rollout (every version used verified),
+    reports its tokens' staleness and the sequences that span two versions, and drops
+    nothing."""
     from sparserl_jax.decoupled import sampler_job
 
     made = []
@@ -417,7 +419,8 @@ def test_a_sampler_takes_new_weights_mid_rollout(tmp_path, monkeypatch):
     monkeypatch.setattr(sampler_job._Refresh, "__call__", waiting_call)
     monkeypatch.setattr(sampler_job._Refresh, "__init__", recording_init)
     common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=1", *FAST]
-    cfg = load_config(TINY, [*common, "train.steps=2", "rollout.chunk_steps=2"])
+    common += ["train.steps=2", "rollout.chunk_steps=2", f"async.partial_cache={cache}"]
+    cfg = load_config(TINY, common + (["rollout.kv.policy=none"] if cache == "recompute" else []))
     summary, got = _threads(cfg, cfg, ts.Context())
     assert summary["end_step"] == 2 and summary["dropped"] == {}, summary
     assert made[1].used.keys() == {0, 1}

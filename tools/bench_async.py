@@ -23,8 +23,8 @@ from pathlib import Path
 from benchmarks.async_runs import run_variant, warm_start
 
 # The demo with a rollout that is most of a step (so overlapping it with learning matters): one
-# update per batch (no reuse passes) and 16 slots for its 128 sequences, decoded in waves.
-ROLLOUT_HEAVY = ["learner.gating.max_passes=1", "rollout.num_slots=16"]
+# update per batch (no reuse passes) and 2 slots for its 128 sequences, decoded in waves.
+ROLLOUT_HEAVY = ["learner.gating.max_passes=1", "rollout.num_slots=2"]
 
 
 def _halves() -> tuple[str | None, str | None]:

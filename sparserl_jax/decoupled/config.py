@@ -81,22 +81,32 @@ class AsyncConfig:
       sampler_groups: the most work items a sampler claims and rolls out together (one
         engine call); 0 is its fair share: the items in flight divided by the samplers alive.
       partial_rollouts: a sampler takes newer published weights between decode chunks and
-        continues its sequences with them (their cached keys and values stay those of the
-        weights that computed them); each token records its version and behaviour logprob,
-        and the correction's per-token rho covers the mix. No effect at `max_staleness` 0
-        (no newer weights appear while a batch is rolled out).
+        continues its sequences with them; each token records its version and behaviour
+        logprob, and the correction's per-token rho covers the mix. No effect at
+        `max_staleness` 0 (no newer weights appear while a batch is rolled out).
+      partial_cache: what happens to the sequences' cache when weights change mid-rollout:
+        `recompute` prefills each again with the new weights (its later tokens then follow
+        their teacher-forced policy; costs one prefill of every sequence in flight), `keep`
+        keeps the keys and values the old weights computed (no recompute), `auto` is
+        `recompute` with a dense cache and `keep` with a compressed one (which cannot be
+        rebuilt from the sequence without replaying its evictions).
     """
 
     max_staleness: int = 2
     groups_per_item: int = 1
     sampler_groups: int = 0
     partial_rollouts: bool = True
+    partial_cache: str = "auto"
 
     def __post_init__(self):
         if self.max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
         if self.groups_per_item < 1:
             raise ValueError(f"groups_per_item must be >= 1, got {self.groups_per_item}")
+        if self.partial_cache not in ("auto", "recompute", "keep"):
+            raise ValueError(
+                f"partial_cache must be auto, recompute or keep, got {self.partial_cache!r}"
+            )
         if self.sampler_groups < 0:
             raise ValueError(f"sampler_groups must be >= 0, got {self.sampler_groups}")
 
@@ -110,4 +120,14 @@ def refuse_adaptive_kv(rollout) -> None:
             "rollout.kv.adaptive.enabled=true works with `sparserl train` only: the decoupled "
             "samplers run the configured rollout.kv.budget (work items carry no budget); set "
             "rollout.kv.adaptive.enabled=false for trainer, sampler and launch"
+        )
+
+
+def check_partial_cache(acfg: AsyncConfig, rollout) -> None:
+    """`async.partial_cache=recompute` rebuilds a sequence's cache from its tokens: a compressed
+    cache cannot be (its evictions would have to be replayed); refuse it in one line."""
+    if acfg.partial_cache == "recompute" and rollout.sparse:
+        raise ValueError(
+            f"async.partial_cache=recompute needs a dense cache, but rollout.kv.policy is "
+            f"{rollout.kv.policy}: use async.partial_cache=keep (or auto)"
         )

@@ -36,7 +36,7 @@ from flax import nnx
 
 from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.config import Config
-from sparserl_jax.decoupled.config import refuse_adaptive_kv
+from sparserl_jax.decoupled.config import check_partial_cache, refuse_adaptive_kv
 from sparserl_jax.decoupled.exchange import Claim, Exchange, Rollout, WorkItem
 from sparserl_jax.parallel import make_mesh
 from sparserl_jax.rollout import RolloutAborted
@@ -207,6 +207,7 @@ def run_sampler(
     """Serve rollouts until the trainer says it is done (or give up); returns a summary with
     `exit_code` (0, or `GAVE_UP`), the items done and the versions held."""
     refuse_adaptive_kv(cfg.rollout)
+    check_partial_cache(cfg.async_, cfg.rollout)
     xcfg, steps = cfg.exchange, cfg.train.steps
     sampler = _build(cfg)
     claimer = None
@@ -288,7 +289,7 @@ def run_sampler(
             continue
         partial = cfg.async_.partial_rollouts and cfg.async_.max_staleness > 0
         refresh = _Refresh(sampler, transport, epoch, xcfg.poll_s, log_fn) if partial else None
-        _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn, refresh)
+        _roll_out(sampler, ex, got, sampler_id, epoch, pulse, cfg, done, log_fn, refresh)
 
 
 class _Refresh:
@@ -319,17 +320,21 @@ class _Refresh:
         return True
 
 
-def _roll_out(sampler, ex, got, sampler_id, epoch, pulse, xcfg, done, log_fn, refresh) -> None:
+def _roll_out(sampler, ex, got, sampler_id, epoch, pulse, cfg, done, log_fn, refresh) -> None:
     """Roll out the claimed items together and write each one's rollout while its claim holds;
     the claims are renewed from a side thread while it generates and while it uploads."""
-    renewer = _Renewer(ex, [claim for claim, _ in got], xcfg.lease_s / 4, pulse)
+    renewer = _Renewer(ex, [claim for claim, _ in got], cfg.exchange.lease_s / 4, pulse)
+    mode = cfg.async_.partial_cache
+    recompute = mode == "recompute" or (mode == "auto" and not sampler.engine.config.sparse)
     renewer.start()
     try:
         items = [item for _, item in got]
         prompts = [p for item in items for p in item.prompts]
         seeds = [s for item in items for s in item.seeds]
         try:  # every claim lost (revoked by the trainer, or taken over) stops the work
-            result = sampler.rollout(prompts, seeds, stop=renewer.lost, refresh=refresh)
+            result = sampler.rollout(
+                prompts, seeds, stop=renewer.lost, refresh=refresh, recompute_cache=recompute
+            )
         except RolloutAborted:
             log_fn(f"sampler {sampler_id}: lost the claims on items {[i.id for i in items]}")
             return

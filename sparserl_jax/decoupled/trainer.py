@@ -49,7 +49,7 @@ from sparserl_jax.data import (
     resume_iterator,
     try_reward_fn,
 )
-from sparserl_jax.decoupled.config import refuse_adaptive_kv
+from sparserl_jax.decoupled.config import check_partial_cache, refuse_adaptive_kv
 from sparserl_jax.decoupled.evaluate import Evaluator
 from sparserl_jax.decoupled.exchange import Exchange, Rollout, SupersededError
 from sparserl_jax.decoupled.ledger import Ledger
@@ -142,6 +142,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     """Run the decoupled trainer for `cfg` until `train.steps`; returns the summary."""
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, topology="colocated"))
     refuse_adaptive_kv(cfg.rollout)
+    check_partial_cache(cfg.async_, cfg.rollout)
     check_config(cfg)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -56,6 +56,7 @@ from sparserl_jax.rollout.config import (
     RolloutResult,
     SlotState,
 )
+from sparserl_jax.rollout.host import admit, so_far, take_record
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys
 
 
@@ -80,6 +81,7 @@ class RolloutEngine:
         self.stop_ids = jnp.asarray(list(config.stop_token_ids) or [-1], jnp.int32)
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
         self._chunk = jax.jit(self._chunk_impl, donate_argnums=(1, 2))
+        self._refill = jax.jit(self._refill_impl, donate_argnums=(1, 2))
         # Built under jit so every leaf is its own buffer (eager creation shares zero arrays,
         # which donation refuses). On a mesh the cache is laid out as its kernels split it.
         out_shardings = None
@@ -154,6 +156,15 @@ class RolloutEngine:
             first_evicted_s=jnp.where(fill_s, NEVER, slots.first_evicted_s),
         )
         return cache, slots
+
+    def _refill_impl(self, params, cache, slots: SlotState, tokens_sp, lens_s, fill_s, req_s4):
+        """The slots in `fill_s` rebuilt from their whole sequence so far (`tokens_sp`, prompt
+        and completion) with `params`: pages released, prefilled again, the kept logits the new
+        weights'; they go on counting their completion tokens where they were."""
+        generated_s = slots.generated_s
+        cache = release_slots(cache, fill_s)
+        cache, slots = self._prefill_impl(params, cache, slots, tokens_sp, lens_s, fill_s, req_s4)
+        return cache, slots._replace(generated_s=jnp.where(fill_s, generated_s, slots.generated_s))
 
     def _step(self, model, cache: PagedKVCache, slots: SlotState):
         cfg = self.config
@@ -302,6 +313,7 @@ class RolloutEngine:
         seeds: Sequence[int] | None = None,
         stop: Callable[[], bool] | None = None,
         refresh: Callable[[], tuple[Any, int] | None] | None = None,
+        recompute_cache: bool = False,
     ) -> RolloutResult:
         """Sample `n_samples` completions of every prompt (see `RolloutResult` for the layout).
 
@@ -309,11 +321,18 @@ class RolloutEngine:
         None uses the model's own. `seeds`: one per prompt (default: derived from config.seed).
         `stop`: asked between decode chunks; True abandons the rollout (`RolloutAborted`).
         `refresh`: asked between decode chunks; `(params, version)` of newer weights continues
-        every sequence in flight with them (partial rollouts: the cached keys and values stay
-        those of the weights that computed them). Each token records the version of the
-        weights whose logits it was sampled from (`token_version`).
+        every sequence in flight with them (partial rollouts). The cached keys and values stay
+        those of the weights that computed them, or with `recompute_cache` (a dense cache only)
+        each sequence is prefilled again with the new weights, so its later tokens follow
+        their teacher-forced policy. Each token records the version of the weights whose
+        logits it was sampled from (`token_version`).
         """
         cfg = self.config
+        if recompute_cache and cfg.sparse:
+            raise ValueError(
+                "recompute_cache needs a dense cache: a compressed one cannot be rebuilt from "
+                "the sequence without replaying its evictions"
+            )
         self._check_prompts(prompts, seeds)
         params = self.default_params if params is None else params
         start = time.perf_counter()
@@ -347,7 +366,13 @@ class RolloutEngine:
             newer = refresh() if refresh is not None and chunks else None
             if newer is not None:
                 params, version = newer
-            fill = self._admit(slot_req, waiting, free_pages, pages_s)
+                live = slot_req >= 0
+                if recompute_cache and live.any():
+                    width = cfg.max_prompt_len + cfg.max_new_tokens
+                    tok_sp, len_s, req_s = so_far(prompts, out_tok, lens, slot_req, req_r4, width)
+                    cache, slots = self._refill(params, cache, slots, tok_sp, len_s, live, req_s)
+                    logits_ver[live] = version
+            fill = admit(slot_req, waiting, free_pages, pages_s, cfg.pages_per_slot, cfg.pool_pages)
             if fill.any():
                 tokens_sp = np.zeros((s, cfg.max_prompt_len), np.int32)
                 lens_s = np.zeros(s, np.int32)
@@ -374,7 +399,7 @@ class RolloutEngine:
                 raise PoolExhaustedError(f"KV pool overflowed in slots {np.flatnonzero(overflow)}")
             done = (slot_req >= 0) & ~active
             if cache.evict_pos is not None and done.any():
-                record = _take_record(record, cache.evict_pos, done, slot_req[done], num_req)
+                record = take_record(record, cache.evict_pos, done, slot_req[done], num_req)
             for slot in np.flatnonzero(slot_req >= 0):
                 r = slot_req[slot]
                 emitted = out_h.emit_sc[slot]
@@ -415,33 +440,3 @@ class RolloutEngine:
                 "chunks": chunks,
             },
         )
-
-    def _admit(self, slot_req, waiting, free_pages, pages_s) -> np.ndarray:
-        """Put waiting requests into free slots while the pool can still give every live slot
-        (and the new one) its worst case; returns the slots to prefill."""
-        per_slot = self.config.pages_per_slot
-        live = slot_req >= 0
-        reserve = int(np.sum(np.where(live, per_slot - pages_s, 0)))
-        budget = int(free_pages) - reserve
-        fill = np.zeros(slot_req.shape, bool)
-        for slot in np.flatnonzero(~live):
-            if not waiting or budget < per_slot:
-                break
-            slot_req[slot] = waiting.pop(0)
-            fill[slot] = True
-            budget -= per_slot
-        if not fill.any() and not live.any() and waiting:
-            raise PoolExhaustedError(
-                f"the pool ({self.config.pool_pages} pages) cannot hold one sequence "
-                f"({per_slot} pages)"
-            )
-        return fill
-
-
-def _take_record(record, evict_ybkt, done_s: np.ndarray, reqs: np.ndarray, num_req: int):
-    """The eviction records of the slots that finished (`done_s`), stored at their requests."""
-    got = np.asarray(jax.device_get(evict_ybkt[:, np.flatnonzero(done_s)]))  # [Y', n, K', T]
-    if record is None:
-        record = np.zeros((num_req, got.shape[0]) + got.shape[2:], np.int32)
-    record[reqs] = got.transpose(1, 0, 2, 3)
-    return record

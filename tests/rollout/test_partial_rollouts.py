@@ -110,3 +110,49 @@ def test_a_refresh_that_brings_nothing_changes_nothing(models):
     for k in ("completion_ids", "sampler_logprobs", "completion_lens", "token_version"):
         np.testing.assert_array_equal(getattr(asked, k), getattr(plain, k))
     assert (plain.token_version[plain.completion_mask] == 7).all()
+
+
+def test_a_recomputed_cache_follows_each_versions_teacher_forced_policy(models):
+    """`recompute_cache`: at the swap every sequence is prefilled again with the new weights,
+    so the tokens after it follow the new weights' teacher-forced policy and those before it
+    the old one's (the issue's contract for partial rollouts, on a dense cache)."""
+    old, new = models
+    engine = _engine(old)
+    params_new = nnx.to_pure_dict(nnx.state(new))
+    res = engine.generate(
+        PROMPTS,
+        weight_version=7,
+        seeds=[1, 2, 3],
+        refresh=_once(params_new, 8),
+        recompute_cache=True,
+    )
+    swap = CHUNK  # chunk 1 samples tokens 0-3; the rebuilt cache's logits sample token 4 on
+    assert (res.completion_lens > swap + 1).all(), res.completion_lens
+    tokens_bt, mask_bt, logp_bt = res.sequences()
+    tf_old = np.asarray(dense_logprobs(old, None, tokens_bt, temperature=1.0))
+    tf_new = np.asarray(dense_logprobs(new, None, tokens_bt, temperature=1.0))
+    for r, prompt in enumerate(PROMPTS):
+        p, n = len(prompt), int(res.completion_lens[r])
+        np.testing.assert_array_equal(res.token_version[r, :n], np.where(np.arange(n) < swap, 7, 8))
+        np.testing.assert_allclose(logp_bt[r, p : p + swap], tf_old[r, p : p + swap], atol=1e-5)
+        np.testing.assert_allclose(
+            logp_bt[r, p + swap : p + n], tf_new[r, p + swap : p + n], atol=1e-5
+        )
+    # The same seeds draw the same tokens before the swap as a rollout that never swapped.
+    plain = engine.generate(PROMPTS, weight_version=7, seeds=[1, 2, 3])
+    np.testing.assert_array_equal(res.completion_ids[:, :swap], plain.completion_ids[:, :swap])
+
+
+def test_a_compressed_cache_cannot_be_recomputed(models):
+    old, _ = models
+    from sparserl_jax.kvcache import CompressionConfig
+
+    cfg = RolloutConfig(
+        num_slots=4,
+        max_prompt_len=6,
+        max_new_tokens=MAX_NEW,
+        chunk_steps=CHUNK,
+        kv=CompressionConfig(policy="streaming", budget=8, window=4),
+    )
+    with pytest.raises(ValueError, match="recompute_cache needs a dense cache"):
+        RolloutEngine(old, cfg).generate(PROMPTS, refresh=lambda: None, recompute_cache=True)

@@ -1,0 +1,69 @@
+"""The rollout engine's host-side bookkeeping between its device programs (numpy only):
+admitting waiting requests into free slots within the page pool, collecting finished slots'
+eviction records, and the inputs that rebuild slots for weights taken mid-rollout.
+
+Partial rollouts (`RolloutEngine.generate(refresh=...)`): between decode chunks the engine may
+take newer weights and continue every sequence in flight with them. Either the cached keys and
+values stay those of the weights that computed them (the cheap way, PipelineRL's), or each
+sequence is prefilled again with the new weights (`recompute_cache`, a dense cache only; verl's
+and slime's way), after which its tokens follow the new weights' teacher-forced policy exactly.
+Either way each token records the version whose logits it was sampled from, and its behaviour
+logprob is that policy's.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from sparserl_jax.kvcache.paged import PoolExhaustedError
+
+__all__ = ["admit", "so_far", "take_record"]
+
+
+def admit(slot_req, waiting, free_pages, pages_s, per_slot: int, pool_pages: int) -> np.ndarray:
+    """Put waiting requests into free slots (`slot_req[slot] = request`, in place) while the
+    pool can still give every live slot (and the new one) its worst case of `per_slot` pages;
+    returns the slots to prefill."""
+    live = slot_req >= 0
+    reserve = int(np.sum(np.where(live, per_slot - pages_s, 0)))
+    budget = int(free_pages) - reserve
+    fill = np.zeros(slot_req.shape, bool)
+    for slot in np.flatnonzero(~live):
+        if not waiting or budget < per_slot:
+            break
+        slot_req[slot] = waiting.pop(0)
+        fill[slot] = True
+        budget -= per_slot
+    if not fill.any() and not live.any() and waiting:
+        raise PoolExhaustedError(
+            f"the pool ({pool_pages} pages) cannot hold one sequence ({per_slot} pages)"
+        )
+    return fill
+
+
+def take_record(record, evict_ybkt, done_s: np.ndarray, reqs: np.ndarray, num_req: int):
+    """The eviction records of the slots that finished (`done_s`), stored at their requests."""
+    got = np.asarray(jax.device_get(evict_ybkt[:, np.flatnonzero(done_s)]))  # [Y', n, K', T]
+    if record is None:
+        record = np.zeros((num_req, got.shape[0]) + got.shape[2:], np.int32)
+    record[reqs] = got.transpose(1, 0, 2, 3)
+    return record
+
+
+def so_far(prompts, out_tok, lens, slot_req, req_r4, width: int):
+    """The prefill inputs that rebuild every slot holding a request (`slot_req >= 0`) from its
+    sequence so far: prompt then the completion tokens sampled (`out_tok[r, :lens[r]]`),
+    padded to `width`; with each slot's length and request record (seed, prompt, sample)."""
+    s = len(slot_req)
+    n = len(req_r4) // len(prompts)
+    tokens_sp = np.zeros((s, width), np.int32)
+    lens_s = np.zeros(s, np.int32)
+    req_s4 = np.zeros((s, 4), np.int64)
+    for slot in np.flatnonzero(slot_req >= 0):
+        r = slot_req[slot]
+        seq = [*prompts[r // n], *out_tok[r, : lens[r]].tolist()]
+        tokens_sp[slot, : len(seq)] = seq
+        lens_s[slot] = len(seq)
+        req_s4[slot] = req_r4[r]
+    return tokens_sp, lens_s, req_s4.astype(np.uint32)

@@ -164,6 +164,7 @@ class _Claimer:
         if version is None:
             return []
         open_ids = self.ex.open_ids()  # bounded by the items in flight, not the run's length
+        self.items = {i: self.items[i] for i in open_ids if i in self.items}  # judged: forget
         by_batch: dict[int, list[WorkItem]] = {}
         for i in open_ids:
             if i not in self.items and (item := self.ex.item(i)) is not None:

@@ -392,7 +392,7 @@ def test_a_superseded_trainer_stops_before_writing_more(tmp_path):
 def test_a_sampler_takes_new_weights_mid_rollout(tmp_path, monkeypatch, cache):
     """Partial rollouts: one sampler at staleness 1 rolls out batch 1 with version 0 while the
     trainer learns from batch 0; its second rollout waits at its first chunk boundary until
-    version 1 is published, takes it, and finishes with it (keeping the R-KV cache, or
+    the trainer's heartbeat names version 1, takes it, and finishes with it (keeping the R-KV cache, or
     rebuilding a dense one). The trainer accepts the rollout (every version used verified),
     reports its tokens' staleness and the sequences that span two versions, and drops
     nothing."""
@@ -404,7 +404,7 @@ def test_a_sampler_takes_new_weights_mid_rollout(tmp_path, monkeypatch, cache):
     def waiting_call(self):
         if len(made) == 2 and self is made[1] and len(self.used) == 1:  # 2nd rollout, not yet
             deadline = time.monotonic() + 120
-            while self.transport.versions("patch")[-1:] in ([], [0]):
+            while (self.ex.pulse("trainer/heartbeat")[0] or {}).get("version", 0) < 1:
                 assert time.monotonic() < deadline, "version 1 was never published"
                 time.sleep(0.05)
             self._last = 0.0

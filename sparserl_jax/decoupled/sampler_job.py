@@ -289,17 +289,18 @@ def run_sampler(
             time.sleep(xcfg.poll_s)
             continue
         partial = cfg.async_.partial_rollouts and cfg.async_.max_staleness > 0
-        refresh = _Refresh(sampler, transport, epoch, xcfg.poll_s, log_fn) if partial else None
+        refresh = _Refresh(sampler, ex, transport, epoch, xcfg.poll_s, log_fn) if partial else None
         _roll_out(sampler, ex, got, sampler_id, epoch, pulse, cfg, done, log_fn, refresh)
 
 
 class _Refresh:
-    """Between decode chunks (at most every `poll_s`): sync newer published weights, so the
-    sequences in flight continue with them (partial rollouts). Remembers every version used
-    and its digest; a failed look (exchange, sync) keeps the weights held."""
+    """Between decode chunks (at most every `poll_s`): when the trainer's heartbeat names a
+    newer version of the epoch followed (one small read), sync it, so the sequences in flight
+    continue with it (partial rollouts). Remembers every version used and its digest; a failed
+    look (exchange, sync) keeps the weights held."""
 
-    def __init__(self, sampler: Sampler, transport, epoch: int, poll_s: float, log_fn):
-        self.sampler, self.transport, self.epoch = sampler, transport, epoch
+    def __init__(self, sampler: Sampler, ex: Exchange, transport, epoch: int, poll_s, log_fn):
+        self.sampler, self.ex, self.transport, self.epoch = sampler, ex, transport, epoch
         self.poll_s, self.log, self._last = poll_s, log_fn, time.monotonic()
         self.used = {sampler.version: sampler.receiver.state_digest}
 
@@ -309,6 +310,9 @@ class _Refresh:
         self._last = time.monotonic()
         before = self.sampler.version
         try:
+            hb, _ = self.ex.pulse("trainer/heartbeat")
+            if hb is None or hb.get("epoch") != self.epoch or hb.get("version", -1) <= before:
+                return False
             events = self.sampler.sync(self.transport)
         except (SyncError, *_EXCHANGE_ERRORS):
             return False

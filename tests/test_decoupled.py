@@ -392,10 +392,10 @@ def test_a_superseded_trainer_stops_before_writing_more(tmp_path):
 def test_a_sampler_takes_new_weights_mid_rollout(tmp_path, monkeypatch, cache):
     """Partial rollouts: one sampler at staleness 1 rolls out batch 1 with version 0 while the
     trainer learns from batch 0; its second rollout waits at its first chunk boundary until
-    the trainer's heartbeat names version 1, takes it, and finishes with it (keeping the R-KV cache, or
-    rebuilding a dense one). The trainer accepts the rollout (every version used verified),
-    reports its tokens' staleness and the sequences that span two versions, and drops
-    nothing."""
+    the trainer's heartbeat names version 1, takes it, and finishes with it (keeping the R-KV
+    cache, or rebuilding a dense one). The trainer accepts the rollout (every version used
+    verified), reports its tokens' staleness and the sequences that span two versions, and
+    drops nothing."""
     from sparserl_jax.decoupled import sampler_job
 
     made = []

@@ -50,6 +50,8 @@ __all__ = [
     "Study",
     "run_study",
     "signature_failures",
+    "steps_to_target",
+    "bootstrap_ratio",
     "summarise",
     "plot_study",
 ]
@@ -73,6 +75,12 @@ ARMS: dict[str, tuple[str, ...]] = {
 # A run collapsed when its final held-out greedy reward (decoded as it was trained) is below
 # this fraction of the SFT start's, decoded the same way, or a step skipped a non-finite update.
 COLLAPSE_FRACTION = 0.5
+# Time-to-target: the first RL step at which a run's training reward, averaged over the last
+# TARGET_WINDOW steps, reaches TARGET_FRACTION of the dense arm's final training reward (its
+# last three steps, mean over seeds).
+TARGET_FRACTION, TARGET_WINDOW = 0.9, 5
+# Resamples of the percentile bootstrap behind every ratio-to-dense interval.
+BOOTSTRAP_SAMPLES = 2000
 # The pre-flight signature at B = L/4 (the SFT start, before any arm): where the claim can be
 # tested. key: (low, high (exclusive), why); None = open.
 SIGNATURE: dict[str, tuple[float | None, float | None, str]] = {
@@ -417,11 +425,55 @@ def _decode_sparse(
     return out
 
 
+def bootstrap_ratio(
+    pairs: Sequence[tuple[float, float]], *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0
+) -> dict[str, float | int | None]:
+    """mean(arm) / mean(dense) over runs paired by seed, with a 95% percentile bootstrap
+    interval: the seeds resampled with replacement, both arms' values of a seed kept together.
+    `lo`/`hi` are None with fewer than two pairs (nothing to resample); `ratio` None when the
+    dense mean is 0 or there is no pair."""
+    a = np.asarray([p[0] for p in pairs], np.float64)
+    d = np.asarray([p[1] for p in pairs], np.float64)
+    out: dict[str, float | int | None] = {"ratio": None, "lo": None, "hi": None, "n": len(a)}
+    if len(a) == 0 or d.mean() == 0:
+        return out
+    out["ratio"] = float(a.mean() / d.mean())
+    if len(a) < 2:
+        return out
+    idx = np.random.default_rng(seed).integers(0, len(a), (samples, len(a)))
+    den = d[idx].mean(axis=1)
+    ratios = a[idx].mean(axis=1)[den > 0] / den[den > 0]
+    out["lo"], out["hi"] = (float(q) for q in np.percentile(ratios, [2.5, 97.5]))
+    return out
+
+
+def steps_to_target(curve: Sequence[float], target: float, window: int = TARGET_WINDOW):
+    """The first step (1-based) at which the mean of the last `window` values of `curve` (fewer
+    at the start) reaches `target`; None if it never does."""
+    for i in range(len(curve)):
+        if float(np.mean(curve[max(0, i + 1 - window) : i + 1])) >= target:
+            return i + 1
+    return None
+
+
+def _paired(group: list[dict], dense: list[dict], key: str) -> list[tuple[float, float]]:
+    """(run's value, the dense run's value of the same seed) for `key`, where both exist."""
+    by_seed = {r["seed"]: r[key] for r in dense if r.get(key) is not None}
+    return [
+        (r[key], by_seed[r["seed"]])
+        for r in group
+        if r.get(key) is not None and r["seed"] in by_seed
+    ]
+
+
 def summarise(raw: dict[str, Any]) -> dict[str, Any]:
-    """Per (arm, budget): means (and spread) over seeds, each against the dense arm, and the
-    issue's targets checked at every budget of at most L/4."""
+    """Per (arm, budget): means (and spread) over seeds, each against the dense arm with a
+    bootstrap 95% interval over seeds, the steps to reach the target reward, and the issue's
+    targets checked at every budget of at most L/4."""
     runs = raw["runs"]
     dense = [r for r in runs if r["arm"] == "dense"]
+    dense_last = [r["train_reward_last3"] for r in dense if r.get("train_reward_last3") is not None]
+    target = TARGET_FRACTION * float(np.mean(dense_last)) if dense_last else None
     dense_final = _stat([r["dense_greedy_final"] for r in dense])
     dense_sampled = _stat([r["dense_sampled_final"] for r in dense])
     dense_kv = _stat([r["peak_kv_bytes"] for r in dense])
@@ -455,10 +507,15 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             for key, ref in (("dense_greedy", dense_final), ("dense_sampled", dense_sampled)):
                 if ref["mean"] and cell[f"{key}_final"]["mean"] is not None:
                     cell[f"{key}_vs_dense"] = cell[f"{key}_final"]["mean"] / ref["mean"]
+                cell[f"{key}_vs_dense_ci"] = bootstrap_ratio(_paired(group, dense, f"{key}_final"))
+            if target is not None:
+                reached = [steps_to_target(r["train_reward"], target) for r in group]
+                cell["steps_to_target"] = _stat(reached)
+                cell["reached_target"] = sum(x is not None for x in reached)
             if dense_kv["mean"] and cell["peak_kv_bytes"]["mean"] is not None:
                 cell["peak_kv_vs_dense"] = cell["peak_kv_bytes"]["mean"] / dense_kv["mean"]
             cells.append(cell)
-    return {"cells": cells, "targets": _targets(raw, cells)}
+    return {"cells": cells, "targets": _targets(raw, cells), "target_reward": target}
 
 
 def _stat(values) -> dict[str, float | None]:

@@ -7,6 +7,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sparserl_jax.config import load_config
@@ -46,6 +47,9 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
     assert cells["corrected"]["peak_kv_bytes"]["mean"] < cells["dense"]["peak_kv_bytes"]["mean"]
     assert cells["corrected"]["evicted_fraction"]["mean"] > 0
     assert result["targets"] and result["targets"][0]["budget"] == 8
+    ci = cells["corrected"]["dense_greedy_vs_dense_ci"]
+    assert ci["n"] == 1 and ci["lo"] is None  # one seed: a ratio, no interval
+    assert "reached_target" in cells["corrected"] and result["target_reward"] is not None
     assert (out / "curves.png").stat().st_size > 0
 
     # The corrected run started from the copied step-0 checkpoint; the same config with its own
@@ -126,3 +130,62 @@ def test_a_run_cut_off_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert _numbers(read_metrics(cfg.run_dir)) == whole
     study._run(cfg, tmp_path / "sft", 0, logs.append)
     assert "done before: kept" in logs[-1]
+
+
+def test_ratio_to_dense_with_a_bootstrap_interval_over_seeds():
+    from benchmarks.repro_sparse_rl import bootstrap_ratio
+
+    same = bootstrap_ratio([(0.5, 0.5), (0.7, 0.7), (0.6, 0.6)])
+    assert same == {"ratio": 1.0, "lo": 1.0, "hi": 1.0, "n": 3}
+    # Worse on every seed by 20%: the interval is 0.8 wherever the resampled seeds fall.
+    worse = bootstrap_ratio([(0.4, 0.5), (0.56, 0.7), (0.48, 0.6)])
+    assert worse["ratio"] == pytest.approx(0.8) and worse["hi"] == pytest.approx(0.8)
+    # Seed-to-seed spread with pairing kept: the interval holds the ratio and is not a point.
+    mixed = bootstrap_ratio([(0.9, 1.0), (0.5, 0.4), (0.7, 0.8), (0.6, 0.6)])
+    assert mixed["lo"] < mixed["ratio"] < mixed["hi"] and mixed["n"] == 4
+    lone = bootstrap_ratio([(0.4, 0.5)])
+    assert lone["ratio"] == pytest.approx(0.8) and lone["lo"] is None and lone["hi"] is None
+    assert bootstrap_ratio([])["ratio"] is None and bootstrap_ratio([(0.1, 0.0)])["ratio"] is None
+
+
+def test_steps_to_target_uses_the_trailing_mean():
+    from benchmarks.repro_sparse_rl import steps_to_target
+
+    curve = [0.0, 1.0, 0.0, 1.0, 1.0, 1.0]
+    assert steps_to_target(curve, 0.5, window=2) == 2  # (0 + 1) / 2
+    assert steps_to_target(curve, 0.8, window=3) == 6  # (1 + 1 + 1) / 3 at step 6; 2/3 before
+    assert steps_to_target(curve, 1.1, window=2) is None
+    assert steps_to_target(curve, 1.0, window=1) == 2
+
+
+def test_summary_pairs_arms_with_dense_by_seed():
+    from benchmarks.repro_sparse_rl import TARGET_FRACTION, summarise
+
+    def run(arm, seed, final, curve, budget=None):
+        rec = {k: None for k in ("greedy_final", "sampled_final", "peak_kv_bytes")}
+        rec |= {k: 0.0 for k in ("evicted_fraction", "masked_token_fraction", "mismatch_kl")}
+        rec |= {"rejected_seq_fraction": 0.0, "rho_p5": 1.0, "kv_budget_mean": None}
+        rec |= {"dense_greedy_final": final, "dense_sampled_final": final}
+        rec |= {"train_reward": curve, "train_reward_first3": curve[0]}
+        rec |= {"train_reward_last3": float(np.mean(curve[-3:])), "collapsed": False}
+        if arm == "dense":  # its final weights decoded with the sparse cache
+            rec["sparse_decoded"] = {8: {"greedy": final, "sampled": final}}
+        return {"arm": arm, "seed": seed, "budget": budget, **rec}
+
+    up = [0.2, 0.6, 1.0, 1.0, 1.0, 1.0, 1.0]
+    slow = [0.2, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]
+    raw = {
+        "budgets": [8],
+        "rollout_length": 32,
+        "runs": [run("dense", s, f, up) for s, f in ((0, 0.8), (1, 0.6), (2, 0.7))]
+        + [run("corrected", s, f, slow, 8) for s, f in ((0, 0.72), (1, 0.54), (2, 0.63))],
+    }
+    out = summarise(raw)
+    assert out["target_reward"] == pytest.approx(TARGET_FRACTION * 1.0)
+    cells = {c["arm"]: c for c in out["cells"]}
+    ci = cells["corrected"]["dense_greedy_vs_dense_ci"]
+    assert ci["ratio"] == pytest.approx(0.9) and ci["lo"] == pytest.approx(0.9) and ci["n"] == 3
+    # The trailing mean of 5 steps: 0.76 at step 5, 0.92 >= 0.9 at step 6.
+    assert cells["dense"]["steps_to_target"]["mean"] == 6
+    assert cells["corrected"]["reached_target"] == 0
+    assert cells["dense"]["reached_target"] == 3

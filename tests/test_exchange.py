@@ -585,3 +585,55 @@ def test_a_fenced_handle_refuses_every_trainer_write_once_superseded(tmp_path):
     new.put_item(_item(1))
     old.put_pulse("samplers/a", {"version": 0})
     assert new.claim(1, "a") is not None
+
+
+def test_a_reissued_head_item_is_claimed_first_and_a_failed_claim_keeps_those_won(tmp_path):
+    """The head batch's re-issued item (a new, higher id) is claimed before later batches'
+    items; a claim that fails with an exchange error after others were won hands over those
+    won (rolled out now, not left to lapse)."""
+    from sparserl_jax.decoupled.sampler_job import _Claimer
+
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=1)
+    q.fill(0)  # batch 0: items 0, 1; batch 1: items 2, 3
+    q._drop(1, "corrupt", step=1, batch=0, version=0)  # re-issued as 4, in batch 0's place
+    assert _batch(q) == [0, 4]
+    got = _Claimer(ex, "a", 0, 60.0)(0)
+    assert [item.id for _, item in got] == [0, 4]
+    claim = ex.claim
+    calls = []
+
+    def flaky(i, sampler):
+        calls.append(i)
+        if len(calls) == 2:
+            raise ExchangeError("exchange memory://: write claims/... failed 5 times")
+        return claim(i, sampler)
+
+    ex.claim = flaky
+    got = _Claimer(ex, "b", 2, 60.0)(0)
+    assert [item.id for _, item in got] == [2] and calls == [2, 3]
+    calls[:] = ["a call before"]  # the next claim is the failing second call
+    with pytest.raises(ExchangeError):  # nothing won: the error is the caller's
+        _Claimer(ex, "c", 2, 60.0)(0)
+
+
+def test_a_resumed_trainer_clears_a_revoked_claim_of_a_reopened_item(tmp_path):
+    """A dead trainer expired (revoked) an in-flight item's claim after its checkpoint: the
+    resumed trainer reopens the item and clears the revocation, so samplers claim it at once
+    instead of after another lease."""
+    from sparserl_jax.decoupled.sampler_job import _Claimer
+
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=0)
+    q.fill(0)
+    state = {"queue": q.state(), "data": q.data_it.get_state()}
+    claim = ex.claim(0, "s0")
+    ex.revoke(0, claim.generation)
+    ex.close_item(0, "dropped:expired")
+    ex.begin_epoch({"start_version": 0})
+    Ledger(tmp_path).truncate(state["queue"]["ledger"])
+    _queue(ex, tmp_path, state=state, staleness=0)
+    assert ex.claim_state(0)[0] is None and ex.is_open(0)
+    assert [item.id for _, item in _Claimer(ex, "s1", 0, 60.0)(0)] == [0, 1]

@@ -265,9 +265,13 @@ class Exchange:
         self.write(f"open/{_id(item_id)}", None)
 
     def reopen_item(self, item_id: int) -> None:
-        """Void a verdict (a resumed trainer's: the dead incarnation's ledger rows are cut)."""
+        """Void a verdict (a resumed trainer's: the dead incarnation's ledger rows are cut),
+        and a revocation of its claim with it (samplers may claim the item again)."""
         self.check_fence()
         self.write(f"closed/{_id(item_id)}", None)
+        claim, gen = self.claim_state(item_id)
+        if claim is not None and claim.get("revoked"):
+            self.write(f"claims/{_id(item_id)}", None, if_equal=gen)
         self.write(f"open/{_id(item_id)}", b"")
 
     def closed_ids(self) -> set[int]:

@@ -179,6 +179,7 @@ class WorkQueue:
         self._claims.pop(i, None)
         if version is not None:
             self._reissue(i, version)
+        self.items.pop(i, None)  # judged: a resume reads what it needs from the exchange
 
     def ready_batch(
         self, step: int, version: int, usable
@@ -265,6 +266,7 @@ class WorkQueue:
             )
             self.got.pop(i, None)
             self._claims.pop(i, None)
+            self.items.pop(i, None)
             self.judged.append(i)
 
     def collect(self) -> None:

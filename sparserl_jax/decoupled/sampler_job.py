@@ -171,12 +171,14 @@ class _Claimer:
                 self.items[i] = item
             if i in self.items:
                 by_batch.setdefault(self.items[i].batch, []).append(self.items[i])
+        open_ids = [i for i in open_ids if i in self.items]
         whole = {b for b, its in by_batch.items() if _covers(its)}
+        # Oldest batch first, in prompt order: a re-issued item (a new, higher id) of the head
+        # batch goes before the later batches' items.
         free = [
             item
-            for i in open_ids
-            if (item := self.items.get(i)) is not None
-            and item.batch in whole
+            for i in sorted(open_ids, key=lambda i: (self.items[i].batch, self.items[i].first))
+            if (item := self.items[i]).batch in whole
             and item.min_version <= version
             and not self.ex.is_ready(i)
             and self.ex.claim_state(i)[0] is None
@@ -188,7 +190,12 @@ class _Claimer:
         share = self.limit or min(-(-in_flight // self._alive()), batch)
         got = []
         for item in free:
-            claim = self.ex.claim(item.id, self.sampler_id)
+            try:
+                claim = self.ex.claim(item.id, self.sampler_id)
+            except _EXCHANGE_ERRORS:
+                if got:  # roll out what is held (else it would wait for its claims to lapse)
+                    break
+                raise
             if claim is not None:
                 got.append((claim, item))
                 if len(got) == share:

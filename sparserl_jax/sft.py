@@ -21,6 +21,7 @@ from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
 from sparserl_jax.data import DataConfig, sft_batch, sft_pairs
+from sparserl_jax.kvcache.evictions import NEVER
 from sparserl_jax.rl.config import decay_mask
 
 
@@ -46,6 +47,14 @@ class SFTConfig:
         every corrupted answer is off by exactly this much (a labeller's systematic mistake);
         with `corrupt_answers` > 0.5 the wrong answer is then the likeliest one, greedy
         decoding writes it, and only sampling finds the right one: what RL has to fix.
+      window_fraction: the fraction of each batch's rows trained with a windowed view: each
+        token attends only to the first `window_sinks` positions and the last `window`
+        positions up to itself, what a StreamingLLM cache of `window_sinks + window` entries
+        keeps (`streaming_evict_pos`, through the eviction-replay attention). The model then
+        learns to compute from what a KV budget keeps, not only from full context. 0 (default):
+        every row sees its whole context.
+      window: the recent positions a windowed row sees (>= 1 when `window_fraction` > 0).
+      window_sinks: the leading positions a windowed row always sees (the prompt, say).
     """
 
     steps: int = 0
@@ -58,6 +67,9 @@ class SFTConfig:
     seed: int = 0
     corrupt_answers: float = 0.0
     corrupt_offset: int = 0
+    window_fraction: float = 0.0
+    window: int = 0
+    window_sinks: int = 0
 
     def __post_init__(self):
         if self.steps < 0:
@@ -75,6 +87,12 @@ class SFTConfig:
             raise ValueError(f"sft.max_len must be >= 2, got {self.max_len}")
         if not 0.0 <= self.corrupt_answers < 1.0:
             raise ValueError(f"sft.corrupt_answers must be in [0, 1), got {self.corrupt_answers}")
+        if not 0.0 <= self.window_fraction <= 1.0:
+            raise ValueError(f"sft.window_fraction must be in [0, 1], got {self.window_fraction}")
+        if self.window_fraction and self.window < 1:
+            raise ValueError(f"sft.window must be >= 1 with window_fraction > 0, got {self.window}")
+        if self.window_sinks < 0:
+            raise ValueError(f"sft.window_sinks must be >= 0, got {self.window_sinks}")
 
 
 _LAST_INT = re.compile(r"-?\d+(?!.*\d)", re.DOTALL)
@@ -113,10 +131,23 @@ def _optimizer(cfg: SFTConfig) -> optax.GradientTransformation:
     )
 
 
+def streaming_evict_pos(t: int, window: int, sinks: int) -> np.ndarray:
+    """int32 `[t]`: for each position j, the first query position that no longer sees its key
+    (`kvcache.evictions`) under a StreamingLLM view: the first `sinks` positions are never
+    evicted, any other j is seen by queries j .. j + window - 1."""
+    j = np.arange(t, dtype=np.int64)
+    return np.where(j < sinks, NEVER, np.minimum(j + window, NEVER)).astype(np.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "tx"), donate_argnums=(0, 1))
-def _step(params, opt_state, tokens_bt, mask_bt, *, graphdef, tx):
+def _step(params, opt_state, tokens_bt, mask_bt, evict_pos_bykt=None, *, graphdef, tx):
     def loss_fn(p):
-        return sft_loss(nnx.merge(graphdef, p)(tokens_bt), tokens_bt, mask_bt)
+        model = nnx.merge(graphdef, p)
+        if evict_pos_bykt is None:
+            logits_btv = model(tokens_bt)
+        else:
+            logits_btv = model.logits(model.hidden_states(tokens_bt, evict_pos_bykt=evict_pos_bykt))
+        return sft_loss(logits_btv, tokens_bt, mask_bt)
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
@@ -154,17 +185,25 @@ def sft_warm_start(
     tx = _optimizer(cfg)
     opt_state = tx.init(params)
     rng = np.random.default_rng(cfg.seed)
+    views = np.random.default_rng([cfg.seed, 2])  # which rows see through the window
+    windowed = streaming_evict_pos(full.tokens_bt.shape[1], cfg.window, cfg.window_sinks)
     order = np.empty(0, np.int64)
     losses = []
     for i in range(cfg.steps):
         if len(order) < cfg.batch_size:
             order = np.concatenate([order, rng.permutation(len(pairs))])
         idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+        ev = None
+        if cfg.window_fraction:
+            rows = views.random(len(idx)) < cfg.window_fraction
+            ev = np.where(rows[:, None], windowed[None, :], NEVER)[:, None, None, :]
+            ev = jnp.asarray(ev.astype(np.int32))
         params, opt_state, loss = _step(
             params,
             opt_state,
             jnp.asarray(full.tokens_bt[idx]),
             jnp.asarray(full.loss_mask_bt[idx]),
+            ev,
             graphdef=graphdef,
             tx=tx,
         )

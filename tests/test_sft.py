@@ -59,3 +59,61 @@ def test_warm_start_lowers_the_loss_and_is_deterministic():
     losses = sft_warm_start(a, cfg, data, tok)
     assert len(losses) == 12 and np.mean(losses[-3:]) < 0.7 * np.mean(losses[:3])
     assert sft_warm_start(b, cfg, data, tok) == losses
+
+
+def test_streaming_view_evict_pos_by_hand():
+    from sparserl_jax.kvcache.evictions import NEVER
+    from sparserl_jax.sft import streaming_evict_pos
+
+    got = streaming_evict_pos(7, window=3, sinks=2)
+    np.testing.assert_array_equal(got, [NEVER, NEVER, 5, 6, 7, 8, 9])
+    with pytest.raises(ValueError, match="sft.window must be >= 1"):
+        SFTConfig(window_fraction=0.5)
+    with pytest.raises(ValueError, match="window_fraction"):
+        SFTConfig(window_fraction=1.5, window=4)
+
+
+def test_a_windowed_row_sees_only_its_sinks_and_window():
+    """Through the view, a token's logits do not depend on a token beyond the window's reach
+    (a window per layer: each layer's keys at a position were computed from that position's
+    own window, as a StreamingLLM cache holds them) and do on one within it; a sink is seen
+    from everywhere; with a window as long as the row the view is full context."""
+    from sparserl_jax.sft import streaming_evict_pos
+
+    model = tiny_model(seed=2)
+    layers = model.cfg.num_layers
+    t, window, sinks = 24, 4, 2
+    ev = jnp.asarray(streaming_evict_pos(t, window, sinks))[None, None, None, :]
+    tokens = np.arange(3, 3 + t)[None, :]
+
+    def logits(tok, ev_bykt):
+        h = model.hidden_states(jnp.asarray(tok), evict_pos_bykt=ev_bykt)
+        return np.asarray(model.logits(h))
+
+    base = logits(tokens, ev)
+    changed = tokens.copy()
+    changed[0, 4] = 40
+    reach = 4 + layers * (window - 1)  # the last query position token 4 can reach
+    assert reach + 1 < t
+    other = logits(changed, ev)
+    np.testing.assert_array_equal(other[0, reach + 1 :], base[0, reach + 1 :])
+    assert np.abs(other[0, 4 : reach + 1] - base[0, 4 : reach + 1]).max() > 1e-4
+    sink = tokens.copy()
+    sink[0, 1] = 40
+    assert np.abs(logits(sink, ev)[0, t - 1] - base[0, t - 1]).max() > 1e-4
+    full = jnp.asarray(streaming_evict_pos(t, t, 0))[None, None, None, :]
+    want = np.asarray(model(jnp.asarray(tokens)))
+    np.testing.assert_allclose(logits(tokens, full), want, atol=1e-5)
+
+
+def test_warm_start_with_a_windowed_view_learns_and_differs():
+    data = DataConfig(arithmetic=ArithmeticConfig(max_digits=1, operators=("+",)))
+    kw = dict(steps=12, batch_size=8, num_examples=32, max_len=64, learning_rate=1e-2)
+    tok = CharTokenizer()
+    plain = sft_warm_start(
+        tiny_model(seed=1, vocab_size=tok.vocab_size), SFTConfig(**kw), data, tok
+    )
+    cfg = SFTConfig(**kw, window_fraction=0.5, window=6, window_sinks=4)
+    a = sft_warm_start(tiny_model(seed=1, vocab_size=tok.vocab_size), cfg, data, tok)
+    assert np.mean(a[-3:]) < 0.7 * np.mean(a[:3]) and a != plain
+    assert sft_warm_start(tiny_model(seed=1, vocab_size=tok.vocab_size), cfg, data, tok) == a

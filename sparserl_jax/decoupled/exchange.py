@@ -48,6 +48,7 @@ __all__ = [
     "CorruptRolloutError",
     "Exchange",
     "ExchangeError",
+    "SamplerWatch",
     "SupersededError",
     "UnsafeExchangeError",
     "Rollout",
@@ -360,4 +361,25 @@ class Exchange:
         out = decode_rollout(blob)
         if out.item != item_id:
             raise CorruptRolloutError(f"rollout blob of item {item_id} names item {out.item}")
+        return out
+
+
+class SamplerWatch:
+    """Which samplers are alive, as this process sees them: a sampler is alive while its pulse
+    (`samplers/<id>`) changes generation within `lease_s` of this process's clock (no clock is
+    compared across machines). One sampler seen for the first time counts as alive."""
+
+    def __init__(self, exchange: Exchange, lease_s: float):
+        self.ex, self.lease_s = exchange, lease_s
+        self._seen: dict[str, tuple[bytes, float]] = {}
+
+    def alive(self) -> set[str]:
+        now, out = time.monotonic(), set()
+        for name in self.ex.list("samplers/"):
+            _, gen = self.ex.pulse(f"samplers/{name}")
+            seen = self._seen.get(name)
+            if seen is None or seen[0] != gen:
+                self._seen[name] = seen = (gen, now)
+            if now - seen[1] < self.lease_s:
+                out.add(name)
         return out

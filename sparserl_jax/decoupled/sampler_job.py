@@ -37,7 +37,7 @@ from flax import nnx
 from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.config import Config
 from sparserl_jax.decoupled.config import check_partial_cache, refuse_adaptive_kv
-from sparserl_jax.decoupled.exchange import Claim, Exchange, Rollout, WorkItem
+from sparserl_jax.decoupled.exchange import Claim, Exchange, Rollout, SamplerWatch, WorkItem
 from sparserl_jax.parallel import make_mesh
 from sparserl_jax.rollout import RolloutAborted
 from sparserl_jax.sampler import Sampler, sampler_shardings
@@ -146,19 +146,9 @@ class _Claimer:
     a batch at a time (the next with newer weights, while the trainer learns)."""
 
     def __init__(self, ex: Exchange, sampler_id: str, limit: int, lease_s: float):
-        self.ex, self.sampler_id, self.limit, self.lease_s = ex, sampler_id, limit, lease_s
+        self.ex, self.sampler_id, self.limit = ex, sampler_id, limit
         self.items: dict[int, WorkItem] = {}  # items never change: read each once
-        self._seen: dict[str, tuple[bytes, float]] = {}
-
-    def _alive(self) -> int:
-        now, alive = time.monotonic(), 0
-        for name in self.ex.list("samplers/"):
-            gen = self.ex.pulse(f"samplers/{name}")[1]
-            seen = self._seen.get(name)
-            if seen is None or seen[0] != gen:
-                self._seen[name] = seen = (gen, now)
-            alive += name == self.sampler_id or now - seen[1] < self.lease_s
-        return max(alive, 1)
+        self.watch = SamplerWatch(ex, lease_s)
 
     def __call__(self, version: int | None) -> list[tuple[Claim, WorkItem]]:
         if version is None:
@@ -187,7 +177,8 @@ class _Claimer:
             return []
         in_flight = sum(len(its) for b, its in by_batch.items() if b in whole)
         batch = max(len(its) for b, its in by_batch.items() if b in whole)
-        share = self.limit or min(-(-in_flight // self._alive()), batch)
+        alive = len(self.watch.alive() | {self.sampler_id})
+        share = self.limit or min(-(-in_flight // alive), batch)
         got = []
         for item in free:
             try:
@@ -354,11 +345,12 @@ def _roll_out(sampler, ex, got, sampler_id, epoch, pulse, cfg, done, log_fn, ref
         for k, item in enumerate(items):
             part = result.rows(lo, lo + n * len(item.prompts))
             lo += n * len(item.prompts)
-            versions = {int(v) for v in np.unique(part.token_version[part.completion_mask])}
-            used = refresh.used if refresh is not None else {}
-            used = {v: used[v] for v in versions} if used else None
-            oldest = int(part.weight_version.min())
-            digest = used[oldest] if used else sampler.receiver.state_digest
+            oldest, used = int(part.weight_version.min()), None
+            digest = sampler.receiver.state_digest  # no refresh: the weights held throughout
+            if refresh is not None:  # the versions this item's tokens came from
+                tokens = np.unique(part.token_version[part.completion_mask])
+                used = {int(v): refresh.used[int(v)] for v in tokens}
+                digest = used[oldest]
             rollout = Rollout(item.id, sampler_id, epoch, oldest, digest, part, used)
             try:
                 if renewer.claims[k] is not None and ex.is_open(item.id):

@@ -51,7 +51,7 @@ from sparserl_jax.data import (
 )
 from sparserl_jax.decoupled.config import check_partial_cache, refuse_adaptive_kv
 from sparserl_jax.decoupled.evaluate import Evaluator
-from sparserl_jax.decoupled.exchange import Exchange, Rollout, SupersededError
+from sparserl_jax.decoupled.exchange import Exchange, Rollout, SamplerWatch, SupersededError
 from sparserl_jax.decoupled.ledger import Ledger
 from sparserl_jax.decoupled.queue import WorkQueue
 from sparserl_jax.metrics import (
@@ -392,12 +392,12 @@ class _Pulse(threading.Thread):
 
     def __init__(self, exchange: Exchange, lease_s: float, *, steps: int, period: float = 1.0):
         super().__init__(daemon=True)
-        self.ex, self.lease_s, self.steps, self.period = exchange, lease_s, steps, period
+        self.ex, self.steps, self.period = exchange, steps, period
         self.epoch: int | None = None
         self.step = self.version = 0
         self._stop_event = threading.Event()
         self._finished = False
-        self._seen: dict[str, tuple[bytes, float]] = {}
+        self.watch = SamplerWatch(exchange, lease_s)
         self.superseded: SupersededError | None = None
 
     def follow(self, epoch: int, step: int, version: int) -> None:
@@ -437,11 +437,4 @@ class _Pulse(threading.Thread):
                 self._beat(done)
 
     def samplers_alive(self) -> int:
-        now, alive = time.monotonic(), 0
-        for name in self.ex.list("samplers/"):
-            _, gen = self.ex.pulse(f"samplers/{name}")
-            seen = self._seen.get(name)
-            if seen is None or seen[0] != gen:
-                self._seen[name] = seen = (gen, now)
-            alive += now - seen[1] < self.lease_s
-        return alive
+        return len(self.watch.alive())

@@ -431,7 +431,7 @@ class RolloutEngine:
             finished_by_stop=stopped,
             evict_pos=record,
             first_evicted=first_evicted if cfg.sparse else None,
-            token_version=np.where(mask, out_ver, 0).astype(np.int32),
+            token_version=out_ver,  # written up to each completion's length only: 0 after
             stats={
                 "generated_tokens": generated,
                 "seconds": seconds,

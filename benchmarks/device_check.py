@@ -39,8 +39,9 @@ NEEDS = {"sync": {"zstandard"}}
 
 def plan(shapes: device_checks.Shapes) -> list[tuple[str, float]]:
     """(task, budget seconds) in the order they run, most wanted first: the device, the kernels,
-    the engine at the most slots through XLA, attention, the learner, sync; then the engine
-    through the kernels and at fewer slots."""
+    the engine at the most slots through XLA, attention, the learner (chunked, then the platform's
+    attention kernel), the engine through the kernels; then sync, the learner at longer T and the
+    engine at fewer slots."""
     slots = shapes.engine_slots
     engine = [
         f"engine-{s}-{policy}-{path}"
@@ -48,17 +49,19 @@ def plan(shapes: device_checks.Shapes) -> list[tuple[str, float]]:
         for path in ("xla", "kernel")
         for policy in ("dense", "rkv")
     ]
-    first, rest = engine[:2], engine[2:]
+    first, kernel, rest = engine[:2], engine[2:4], engine[4:]
     t0, *longer = shapes.learner_ts
-    # Budgets from the first H100 run (2026-11-26): XLA's compile with autotuning is most of an
-    # engine or learner task (28 s dense engine, 41 s learner at 4096), the sync anchor of a
-    # 0.5B tree encodes in 25 s on the host and its first patch did not end within 84 s more.
+    # Budgets from the H100 (2026-11-26) and H200 (2026-11-27) runs: XLA's compile with
+    # autotuning is most of an engine or learner task (29 s dense engine, 68 s R-KV, 34 s learner
+    # at 4096); the engine through the kernels and the cuDNN learner step end in 37-43 s; sync's
+    # 0.5B anchor and three versions take about 150 s; the learner at 16384 about 76 s.
     tasks = [("env", 30.0), ("kernels", 90.0)] + [(t, 110.0) for t in first]
-    tasks += [("attention", 45.0), (f"learner-{t0}-chunked", 90.0), ("sync", 150.0)]
-    tasks += [(f"learner-{t}-chunked", 110.0) for t in longer]
-    # The platform's attention kernel (cuDNN on GPU, splash on TPU) in the learner step, last:
-    # `attention` has checked its numerics by then.
-    tasks += [(t, 110.0) for t in rest] + [(f"learner-{t0}-auto", 90.0)]
+    tasks += [("attention", 45.0), (f"learner-{t0}-chunked", 90.0)]
+    # The platform's attention kernel (cuDNN on GPU, splash on TPU): `attention` has checked
+    # its numerics by then.
+    tasks += [(f"learner-{t0}-auto", 90.0)] + [(t, 90.0) for t in kernel]
+    tasks += [("sync", 150.0)] + [(f"learner-{t}-chunked", 110.0) for t in longer]
+    tasks += [(t, 110.0) for t in rest]
     return tasks
 
 

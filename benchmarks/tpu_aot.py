@@ -143,40 +143,41 @@ def engine_config(policy: str, *, slots=64, prompt=256, new=2048, page=16, budge
     )
 
 
-def engine_inputs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) -> tuple:
-    """(engine, params, cache, slots, prefill inputs): abstract, placed on `devices` (one chip,
-    or a mesh where the weights are laid out by the logical-axis rules, the page pools split by
-    KV head when their count divides by the chips (else replicated: the pool is shared by all
-    slots, so it has no batch axis to split), the slot state replicated, and the kernels run per
-    chip)."""
+def engine_inputs(
+    model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list, mesh_cfg: MeshConfig | None = None
+) -> tuple:
+    """(engine, params, cache, slots, prefill inputs): abstract, placed on `devices` as the
+    engine lays them out: one chip, or a mesh (`mesh_cfg`, default every chip on fsdp) where the
+    weights follow the logical-axis rules, each data shard holds its own slots and pages
+    (`rollout.shards`), the pools are split by KV head over the other axes when their count
+    divides by them (else replicated), and the kernels run per chip."""
     abstract = _abstract_model(model_cfg)
-    mesh = _mesh(devices)
+    mesh = _mesh(devices) if mesh_cfg is None else make_mesh(mesh_cfg, devices)
     engine = RolloutEngine(abstract, rcfg, mesh=mesh)
-    cache, slots = jax.eval_shape(engine._init)
+    cache, slots = jax.eval_shape(engine._init)  # with the engine's own out shardings
+    s, p = rcfg.num_slots, rcfg.max_prompt_len
+    host = (
+        jax.ShapeDtypeStruct((s, p), jnp.int32),
+        jax.ShapeDtypeStruct((s,), jnp.int32),
+        jax.ShapeDtypeStruct((s,), jnp.bool_),
+        jax.ShapeDtypeStruct((s, 4), jnp.uint32),
+    )
     if mesh is None:
         rep = param_sh = SingleDeviceSharding(devices[0])
-        cache, slots = _place((cache, slots), rep)
+        cache, slots, host = _place((cache, slots, host), rep)
     else:
-        rep = NamedSharding(mesh, PartitionSpec())
         param_sh = nnx.to_pure_dict(state_shardings(nnx.state(abstract), mesh))
-        cache, slots = _place(cache, cache.shardings()), _place(slots, rep)
+        by_slot = NamedSharding(mesh, PartitionSpec("data" if engine.data > 1 else None))
+        host = _place(host, by_slot)
     params = _place(engine.default_params, param_sh)
-    s, p = rcfg.num_slots, rcfg.max_prompt_len
-    prefill_in = _place(
-        (
-            jax.ShapeDtypeStruct((s, p), jnp.int32),
-            jax.ShapeDtypeStruct((s,), jnp.int32),
-            jax.ShapeDtypeStruct((s,), jnp.bool_),
-            jax.ShapeDtypeStruct((s, 4), jnp.uint32),
-        ),
-        rep,
-    )
-    return engine, params, cache, slots, prefill_in
+    return engine, params, cache, slots, host
 
 
-def engine_programs(model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list) -> dict:
+def engine_programs(
+    model_cfg: ModelConfig, rcfg: RolloutConfig, devices: list, mesh_cfg: MeshConfig | None = None
+) -> dict:
     """Compile the engine's prefill and decode chunk for `devices` (see `engine_inputs`)."""
-    engine, params, cache, slots, prefill_in = engine_inputs(model_cfg, rcfg, devices)
+    engine, params, cache, slots, prefill_in = engine_inputs(model_cfg, rcfg, devices, mesh_cfg)
     return {
         "prefill": compile_program(devices[0], engine._prefill, params, cache, slots, *prefill_in),
         "decode_chunk": compile_program(devices[0], engine._chunk, params, cache, slots),

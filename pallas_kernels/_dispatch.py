@@ -177,11 +177,21 @@ def is_pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
 
-def kv_head_axes(mesh: Mesh | None, kv_heads: int) -> tuple[str, ...] | None:
-    """The mesh axes the KV heads are split over inside `on_mesh` (None: replicated)."""
+def _free_axes(mesh: Mesh, skip: Sequence[str] = ()) -> tuple[str, ...]:
+    """`mesh`'s axes of more than one device that are neither in `skip` nor manual in the
+    program being traced (inside a `shard_map` over some of them, the others stay free)."""
+    manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+    return tuple(n for n, s in mesh.shape.items() if s > 1 and n not in manual and n not in skip)
+
+
+def kv_head_axes(
+    mesh: Mesh | None, kv_heads: int, skip: Sequence[str] = ()
+) -> tuple[str, ...] | None:
+    """The mesh axes the KV heads are split over inside `on_mesh` (None: replicated): every
+    free axis (`_free_axes`) when their sizes' product divides `kv_heads`."""
     if mesh is None:
         return None
-    axes = tuple(name for name, size in mesh.shape.items() if size > 1)
+    axes = _free_axes(mesh, skip)
     size = math.prod(mesh.shape[a] for a in axes)
     return axes if axes and kv_heads % size == 0 else None
 
@@ -206,9 +216,17 @@ def on_mesh(
     `in_head_dims[i]` / `out_head_dims` name the head axis of each operand / output (None: an
     operand every device needs whole, such as page tables). With `kv_head_axes` the head axes are
     split over the mesh (contiguous blocks, so query head n stays with KV head n // G); without,
-    everything is replicated and each device computes the whole op.
+    everything is replicated and each device computes the whole op. Traced inside a `shard_map`
+    over some of the mesh's axes (the rollout engine's data shards), it maps over the others.
     """
     if mesh is None or mesh.size == 1:
+        return kernel(*args)
+    context = jax.sharding.get_abstract_mesh()
+    nested = bool(context.manual_axes)
+    # Nested: map over every axis not yet manual (size-1 ones too: a kernel cannot sit in
+    # any automatically partitioned region).
+    rest = frozenset(context.axis_names) - set(context.manual_axes) if nested else frozenset()
+    if nested and not rest:  # every axis is manual already: this is one device's program
         return kernel(*args)
     axes = kv_head_axes(mesh, kv_heads)
 
@@ -226,5 +244,12 @@ def on_mesh(
     else:
         out_specs = spec(out_shapes.ndim, out_head_dims)
     # Pallas calls carry no varying-axes annotations; the specs above are the contract.
-    fn = jax.shard_map(kernel, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    fn = jax.shard_map(
+        kernel,
+        mesh=context if nested else mesh,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        axis_names=rest,
+        check_vma=False,
+    )
     return fn(*args)

@@ -17,6 +17,7 @@ from jax.sharding import SingleDeviceSharding
 
 from benchmarks import tpu_aot
 from sparserl_jax.models import Transformer, model_preset
+from sparserl_jax.parallel.sharding import MeshConfig
 from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.testing import tpu
 
@@ -68,6 +69,19 @@ def test_rkv_engine_compiles_on_a_4_chip_v5p_mesh(v5p):
     # checks the numerics of both layouts in interpret mode).
     rc = tpu_aot.engine_config("rkv", slots=8, prompt=32, new=96, page=16, budget=32)
     got = tpu_aot.engine_programs(SMALL, rc, v5p[:4])
+    _check(got["prefill"])
+    _check(got["decode_chunk"], mosaic=True)
+    _check_engine_kernels(got["decode_chunk"])
+
+
+@pytest.mark.parametrize("data, tensor", [(2, 2), (4, 1)])
+def test_rkv_engine_compiles_on_a_4_chip_v5e_mesh_per_data_shard(data, tensor):
+    # Each data shard its own slots and pages (`rollout.shards`: shard_map over data), the
+    # kernels per chip inside it (nested over the other axes), the 2 KV heads over tensor 2.
+    rc = tpu_aot.engine_config("rkv", slots=8, prompt=32, new=96, page=16, budget=32)
+    mesh_cfg = MeshConfig(data=data, fsdp=1, tensor=tensor)
+    devices = list(tpu.topology("v5e:2x2").devices)
+    got = tpu_aot.engine_programs(SMALL, rc, devices, mesh_cfg)
     _check(got["prefill"])
     _check(got["decode_chunk"], mosaic=True)
     _check_engine_kernels(got["decode_chunk"])

@@ -22,6 +22,11 @@ Host side, one sync per chunk (a single `device_get` of the chunk's tokens, the 
 the pool's free count): finished slots hand their rows to the result; waiting requests are
 admitted into free slots while the pool can still give every live slot its worst case, so the
 pool never overflows and memory is bounded by the pool, not by batch x max length.
+
+On a mesh (`mesh=`, weights laid out by `parallel.sharding`): the model's heads, MLP columns and
+vocabulary split over `tensor`, the pools over KV heads where their count divides by it, and
+with `data` > 1 each data shard holds its own slots, page pool and free-page stack, the programs
+running per shard (`rollout.shards`); tokens equal one device's for the same keys.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from sparserl_jax.kvcache import (
     PagedKVCache,
@@ -48,7 +53,6 @@ from sparserl_jax.kvcache.config import cdiv
 from sparserl_jax.kvcache.evictions import NEVER, reset_rows
 from sparserl_jax.kvcache.paged import PoolExhaustedError
 from sparserl_jax.kvcache.rows import merge_slot_rows, set_slot_rows, slot_rows
-from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.rollout.config import (
     ChunkOut,
     RolloutAborted,
@@ -56,8 +60,16 @@ from sparserl_jax.rollout.config import (
     RolloutResult,
     SlotState,
 )
-from sparserl_jax.rollout.host import admit, so_far, take_record
+from sparserl_jax.rollout.host import check_prompts, so_far, take_record
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys
+from sparserl_jax.rollout.shards import (
+    any_slot,
+    data_shards,
+    flat_slots,
+    jit_programs,
+    shard_admit,
+    slot_record,
+)
 
 
 class RolloutEngine:
@@ -79,17 +91,15 @@ class RolloutEngine:
             )
         self.default_params = nnx.to_pure_dict(state)
         self.stop_ids = jnp.asarray(list(config.stop_token_ids) or [-1], jnp.int32)
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1, 2))
-        self._chunk = jax.jit(self._chunk_impl, donate_argnums=(1, 2))
-        self._refill = jax.jit(self._refill_impl, donate_argnums=(1, 2))
-        # Built under jit so every leaf is its own buffer (eager creation shares zero arrays,
-        # which donation refuses). On a mesh the cache is laid out as its kernels split it.
-        out_shardings = None
-        if mesh is not None:
-            cache, slots = jax.eval_shape(self._empty)
-            rep = NamedSharding(mesh, PartitionSpec())
-            out_shardings = (cache.shardings(), jax.tree.map(lambda _: rep, slots))
-        self._init = jax.jit(self._empty, out_shardings=out_shardings)
+        # Data shards (`rollout.shards`): each its own slots, pages and free-page stack.
+        self.data = data_shards(mesh)
+        self._page_bytes = jax.eval_shape(self._empty)[0].page_bytes
+        self._init, self._prefill, self._chunk, self._refill = jit_programs(
+            mesh,
+            config,
+            self._empty,
+            {"prefill": self._prefill_impl, "chunk": self._chunk_impl, "refill": self._refill_impl},
+        )
 
     # ---- device programs -------------------------------------------------------------------
 
@@ -207,8 +217,8 @@ class RolloutEngine:
             jnp.zeros((s, c), jnp.int32), jnp.zeros((s, c), jnp.float32), jnp.zeros((s, c), bool)
         )
 
-        def steps_left(i, slots):
-            return (i < c) & jnp.any(slots.active_s)
+        def steps_left(i, slots):  # over every data shard: all run the same steps
+            return (i < c) & any_slot(slots.active_s, self.data)
 
         def body(carry):
             i, cache, slots, out = carry
@@ -232,7 +242,9 @@ class RolloutEngine:
             # once per step. Same order of operations as compressing after every step.
             def segment(carry):
                 carry = jax.lax.while_loop(
-                    lambda x: steps_left(x[0], x[2]) & ~jnp.any(should_compress(x[1], kv)),
+                    lambda x: (
+                        steps_left(x[0], x[2]) & ~any_slot(should_compress(x[1], kv), self.data)
+                    ),
                     body,
                     carry,
                 )
@@ -246,19 +258,20 @@ class RolloutEngine:
     # ---- host loop -------------------------------------------------------------------------
 
     def _empty(self) -> tuple[PagedKVCache, SlotState]:
+        """The empty cache and slot state (one data shard's: its slots and pages)."""
         cfg, mcfg = self.config, self.model_cfg
+        s = cfg.num_slots // self.data
         cache = paged_cache_for(
             mcfg,
             cfg.compression,
-            batch=cfg.num_slots,
+            batch=s,
             max_len=cfg.max_len,
             prompt_len=cfg.max_prompt_len,
             page_size=cfg.page_size,
-            num_pages=cfg.pool_pages,
+            num_pages=cfg.pool_pages // self.data,
             mesh=self.mesh,
             record_evictions=cfg.record_evictions,
         )
-        s = cfg.num_slots
         zero_s = jnp.zeros((s,), jnp.int32)
         slots = SlotState(
             logits_sv=jnp.zeros((s, mcfg.vocab_size), jnp.float32),
@@ -287,22 +300,6 @@ class RolloutEngine:
             np.zeros((s, 4), np.uint32),
         )
         jax.block_until_ready(self._chunk(params, cache, slots))
-
-    def _check_prompts(self, prompts: Sequence[Sequence[int]], seeds) -> None:
-        cfg = self.config
-        if not prompts:
-            raise ValueError("generate needs at least one prompt")
-        for i, p in enumerate(prompts):
-            if not 1 <= len(p) <= cfg.max_prompt_len:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; allowed 1..max_prompt_len="
-                    f"{cfg.max_prompt_len}"
-                )
-            check_token_ids(p, self.model_cfg.vocab_size, f"prompt {i}")
-        if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts (one each)")
-        if seeds is not None and any(not 0 <= int(x) < 2**32 for x in seeds):
-            raise ValueError(f"seeds must be in [0, 2**32), got {list(seeds)}")
 
     def generate(
         self,
@@ -333,7 +330,7 @@ class RolloutEngine:
                 "recompute_cache needs a dense cache: a compressed one cannot be rebuilt from "
                 "the sequence without replaying its evictions"
             )
-        self._check_prompts(prompts, seeds)
+        check_prompts(prompts, seeds, cfg.max_prompt_len, self.model_cfg.vocab_size)
         params = self.default_params if params is None else params
         start = time.perf_counter()
         n = cfg.n_samples
@@ -360,7 +357,7 @@ class RolloutEngine:
         slot_req = np.full(s, -1, np.int64)
         logits_ver = np.full(s, version, np.int64)  # the weights each slot's kept logits came from
         waiting = list(range(num_req))
-        free_pages, pages_s = cfg.pool_pages, np.zeros(s, np.int64)
+        free_d, pages_s = np.full(self.data, cfg.pool_pages // self.data), np.zeros(s, np.int64)
         chunks = 0
         while waiting or (slot_req >= 0).any():
             newer = refresh() if refresh is not None and chunks else None
@@ -372,7 +369,7 @@ class RolloutEngine:
                     tok_sp, len_s, req_s = so_far(prompts, out_tok, lens, slot_req, req_r4, width)
                     cache, slots = self._refill(params, cache, slots, tok_sp, len_s, live, req_s)
                     logits_ver[live] = version
-            fill = admit(slot_req, waiting, free_pages, pages_s, cfg.pages_per_slot, cfg.pool_pages)
+            fill = shard_admit(slot_req, waiting, free_d, pages_s, cfg)
             if fill.any():
                 tokens_sp = np.zeros((s, cfg.max_prompt_len), np.int32)
                 lens_s = np.zeros(s, np.int32)
@@ -394,12 +391,14 @@ class RolloutEngine:
                 (out, slots.active_s, slots.stopped_s, slots.evicted_s, slots.first_evicted_s)
                 + (cache.num_pages_b, cache.free_top, cache.overflow_b)
             )
-            out_h, active, stop_s, evicted_s, first_s, pages_s, free_pages, overflow = host
+            out_h, active, stop_s, evicted_s, first_s, pages_s, free_d, overflow = host
+            pages_s, overflow = flat_slots(pages_s, self.data), flat_slots(overflow, self.data)
             if overflow.any():  # admission control makes this unreachable; never return garbage
                 raise PoolExhaustedError(f"KV pool overflowed in slots {np.flatnonzero(overflow)}")
             done = (slot_req >= 0) & ~active
             if cache.evict_pos is not None and done.any():
-                record = take_record(record, cache.evict_pos, done, slot_req[done], num_req)
+                evict_ybkt = slot_record(cache.evict_pos, self.data)
+                record = take_record(record, evict_ybkt, done, slot_req[done], num_req)
             for slot in np.flatnonzero(slot_req >= 0):
                 r = slot_req[slot]
                 emitted = out_h.emit_sc[slot]
@@ -417,7 +416,7 @@ class RolloutEngine:
                     slot_req[slot] = -1
         seconds = time.perf_counter() - start
         mask = np.arange(cfg.max_new_tokens)[None, :] < lens[:, None]
-        peak = int(cache.peak_pages) * cache.page_bytes
+        peak = int(np.sum(jax.device_get(cache.peak_pages))) * self._page_bytes
         generated = int(lens.sum())
         return RolloutResult(
             prompt_ids=[list(map(int, prompts[r // n])) for r in range(num_req)],

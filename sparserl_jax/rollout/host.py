@@ -17,8 +17,26 @@ import jax
 import numpy as np
 
 from sparserl_jax.kvcache.paged import PoolExhaustedError
+from sparserl_jax.models.transformer import check_token_ids
 
-__all__ = ["admit", "so_far", "take_record"]
+__all__ = ["admit", "check_prompts", "so_far", "take_record"]
+
+
+def check_prompts(prompts, seeds, max_prompt_len: int, vocab_size: int) -> None:
+    """One clear line for prompts the engine cannot take (empty, too long, out-of-vocabulary
+    ids) or seeds that do not match them."""
+    if not prompts:
+        raise ValueError("generate needs at least one prompt")
+    for i, p in enumerate(prompts):
+        if not 1 <= len(p) <= max_prompt_len:
+            raise ValueError(
+                f"prompt {i} has {len(p)} tokens; allowed 1..max_prompt_len={max_prompt_len}"
+            )
+        check_token_ids(p, vocab_size, f"prompt {i}")
+    if seeds is not None and len(seeds) != len(prompts):
+        raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts (one each)")
+    if seeds is not None and any(not 0 <= int(x) < 2**32 for x in seeds):
+        raise ValueError(f"seeds must be in [0, 2**32), got {list(seeds)}")
 
 
 def admit(slot_req, waiting, free_pages, pages_s, per_slot: int, pool_pages: int) -> np.ndarray:

@@ -43,6 +43,7 @@ import jax
 from benchmarks import memory_tunix, tpu_aot
 from sparserl_jax.config import Config, ModelSpec, load_config
 from sparserl_jax.models import ModelConfig
+from sparserl_jax.parallel.sharding import MeshConfig
 
 # Checkpoint shapes of issue 15 (registry names), the default sweep's subsets, and the lengths.
 PRESETS = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.2-1b")
@@ -142,7 +143,8 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     row = dict(spec)
     try:
         cfg = config_for(spec)
-        devices = tpu_aot.topology_devices(TOPOLOGY[spec["chips"]])[: spec["chips"]]
+        topology = spec.get("topology") or TOPOLOGY[spec["chips"]]
+        devices = tpu_aot.topology_devices(topology)[: spec["chips"]]
         model_cfg = cfg.model.model_config()
         if spec["kind"] == "learner":
             return _measure_learner(row, cfg, model_cfg, devices)
@@ -174,8 +176,12 @@ def _measure_learner(row: dict, cfg: Config, model_cfg: ModelConfig, devices: li
 
 
 def _measure_engine(row: dict, cfg: Config, model_cfg: ModelConfig, devices: list) -> dict:
+    mesh_cfg = None
+    if row.get("mesh"):  # [data, tensor]: each data shard its own slots and pages
+        data, tensor = row["mesh"]
+        mesh_cfg = MeshConfig(data=data, fsdp=1, tensor=tensor)
     engine, params, cache, slots, prefill_in = tpu_aot.engine_inputs(
-        model_cfg, cfg.rollout, devices
+        model_cfg, cfg.rollout, devices, mesh_cfg
     )
     row["params_bytes"] = per_chip_bytes(params)
     row["kv_cache_bytes"] = per_chip_bytes(cache)
@@ -276,10 +282,15 @@ def engine_specs(
     programs: Sequence[str] = ("decode", "prefill"),
     chips: Sequence[int] = (1,),
     sets: Sequence[str] = (),
+    topology: str | None = None,
+    mesh: tuple[int, int] | None = None,
 ) -> list[dict]:
+    """`topology` (e.g. "v5e:2x4"; default `TOPOLOGY[chips]`) and `mesh` (data, tensor; default
+    every chip on fsdp) where given."""
+    where = {k: v for k, v in (("topology", topology), ("mesh", mesh)) if v}
     return [
         dict(kind="engine", program=prog, preset=p, chips=c, slots=slots, prompt_len=prompt_len,
-             max_len=max_len, policy=pol, budget=budget, sets=list(sets))
+             max_len=max_len, policy=pol, budget=budget, sets=list(sets), **where)
         for p in presets
         for c in chips
         for pol in policies

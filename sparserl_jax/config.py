@@ -27,14 +27,13 @@ import yaml
 
 from sparserl_jax.data.config import DataConfig
 from sparserl_jax.decoupled.config import AsyncConfig, ExchangeConfig
-from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.models.config import ModelConfig
 from sparserl_jax.models.hf import read_hf_config
 from sparserl_jax.models.presets import model_preset
 from sparserl_jax.parallel.sharding import MeshConfig
 from sparserl_jax.rl.advantages import AdvantageEstimator
 from sparserl_jax.rl.config import LearnerConfig
-from sparserl_jax.rollout.config import RolloutConfig
+from sparserl_jax.rollout.config import GenerateConfig, RolloutConfig
 from sparserl_jax.sft import SFTConfig
 from sparserl_jax.sync.publisher import SyncConfig
 
@@ -140,44 +139,6 @@ class TokenizerConfig:
     path: str | None = None
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class GenerateConfig:
-    """A plain generation job (`sparserl generate`) on the rollout engine.
-
-    Attributes:
-      prompts: the texts to complete (the tokenizer adds its BOS token).
-      max_new_tokens: completion tokens per prompt at most (the stop token counts).
-      temperature: 0 is greedy. top_k: 0 is off. top_p: 1 is off.
-      seed: the sampling seed.
-      kv: KV compression while generating (as `rollout.kv`); null keeps every token.
-    """
-
-    prompts: tuple[str, ...] = ("1+2=",)
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-    kv: CompressionConfig | None = None
-
-    def __post_init__(self):
-        if self.max_new_tokens < 1:
-            raise ConfigError(f"generate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ConfigError(f"generate.temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"generate.top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"generate.top_k must be >= 0, got {self.top_k}")
-        if not self.prompts:
-            raise ConfigError("generate.prompts is empty")
-        if self.kv is not None and self.kv.adaptive.enabled:
-            raise ConfigError(
-                "generate.kv.adaptive.enabled: the adaptive budget moves between RL steps "
-                "(rollout.kv.adaptive with `sparserl train`); set generate.kv.budget instead"
-            )
-
-
 Topology = Literal["colocated", "split"]
 
 
@@ -193,7 +154,9 @@ class TrainConfig:
         `rollout.n_samples` wide.
       topology: `colocated` or `split` (trainer and sampler on disjoint devices).
       sampler_devices: with `split`, how many devices (the last ones) the sampler gets; the
-        trainer mesh (`mesh:` section) is laid over the rest.
+        trainer mesh (`mesh:` section) is laid over the rest. The sampler's mesh is data x
+        tensor with `sampler_tensor` on tensor (weights, heads, vocabulary), the rest on data
+        (each data shard its own rollout slots and KV pages).
       save_every: checkpoint every this many steps (and at the end, and on SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
       async_checkpoint: save in the background.
@@ -214,6 +177,7 @@ class TrainConfig:
     advantage_estimator: AdvantageEstimator = "grpo"
     topology: Topology = "colocated"
     sampler_devices: int = 1
+    sampler_tensor: int = 1
     save_every: int = 50
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
@@ -232,8 +196,13 @@ class TrainConfig:
             raise ConfigError(
                 f"train.topology {self.topology!r} unknown; expected colocated, split"
             )
-        if self.sampler_devices < 1:
-            raise ConfigError(f"train.sampler_devices must be >= 1, got {self.sampler_devices}")
+        if min(self.sampler_devices, self.sampler_tensor) < 1 or (
+            self.sampler_devices % self.sampler_tensor
+        ):
+            raise ConfigError(
+                f"train.sampler_devices={self.sampler_devices} must be >= 1 and divide by "
+                f"train.sampler_tensor={self.sampler_tensor}"
+            )
         if self.save_every < 1 or self.keep_checkpoints < 1:
             raise ConfigError(
                 f"train.save_every and train.keep_checkpoints must be >= 1, got "

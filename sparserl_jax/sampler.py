@@ -7,7 +7,9 @@ one greedy completion per prompt).
 
 Meshes: `colocated` lays one mesh over every device (the sampler's weights live on the learner's
 devices); `split` gives the last `train.sampler_devices` devices to the sampler and the rest to
-the trainer, and the patch is applied onto the sampler mesh in-process.
+the trainer, and the patch is applied onto the sampler mesh in-process. The sampler mesh is data
+x tensor (`train.sampler_tensor`): weights over tensor, each data shard its own rollout slots and
+KV pages (`rollout.shards`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from sparserl_jax.config import TrainConfig
 from sparserl_jax.data import Example, compute_rewards
 from sparserl_jax.parallel import MeshConfig, make_mesh, state_shardings
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine, RolloutResult
+from sparserl_jax.rollout.shards import check_split, data_shards
 from sparserl_jax.sync import ApplyEvent, Receiver, Transport, leaf_names
 from sparserl_jax.sync.mask import from_bits, published_dtype
 
@@ -40,22 +43,34 @@ __all__ = [
 
 
 def make_meshes(
-    mesh_cfg: MeshConfig, train_cfg: TrainConfig, devices: Sequence[jax.Device]
+    mesh_cfg: MeshConfig,
+    train_cfg: TrainConfig,
+    devices: Sequence[jax.Device],
+    *,
+    rollout: RolloutConfig | None = None,
 ) -> tuple[Mesh, Mesh | None]:
-    """The trainer's mesh and, with `topology=split`, the sampler's (None when colocated)."""
+    """The trainer's mesh and, with `topology=split`, the sampler's (None when colocated).
+    With `rollout`, also checks that its slots and pages split over the sampling mesh's data
+    shards (`rollout.shards`), before anything is built."""
     if train_cfg.topology == "colocated":
-        return make_mesh(mesh_cfg, devices), None
-    k = train_cfg.sampler_devices
-    if k >= len(devices):
-        raise ValueError(
-            f"train.topology=split needs more devices than train.sampler_devices={k}; "
-            f"have {len(devices)} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8)"
-        )
-    try:
-        trainer = make_mesh(mesh_cfg, devices[: len(devices) - k])
-    except ValueError as e:
-        raise ValueError(f"{e} ({trainer_devices(train_cfg, len(devices))})") from None
-    return trainer, make_mesh(MeshConfig(data=1, fsdp=-1, tensor=1), devices[len(devices) - k :])
+        trainer, sampler = make_mesh(mesh_cfg, devices), None
+    else:
+        k = train_cfg.sampler_devices
+        if k >= len(devices):
+            raise ValueError(
+                f"train.topology=split needs more devices than train.sampler_devices={k}; have "
+                f"{len(devices)} (on CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+            )
+        try:
+            trainer = make_mesh(mesh_cfg, devices[: len(devices) - k])
+        except ValueError as e:
+            raise ValueError(f"{e} ({trainer_devices(train_cfg, len(devices))})") from None
+        split = MeshConfig(data=-1, fsdp=1, tensor=train_cfg.sampler_tensor)
+        sampler = make_mesh(split, devices[len(devices) - k :])
+    if rollout is not None and data_shards(sampler or trainer) > 1:
+        mesh = sampler or trainer
+        check_split(mesh, rollout.num_slots, rollout.pool_pages, rollout.pages_per_slot)
+    return trainer, sampler
 
 
 def trainer_devices(train_cfg: TrainConfig, num_devices: int) -> str:

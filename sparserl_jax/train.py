@@ -106,7 +106,7 @@ def check_config(cfg: Config) -> None:
         raise ValueError(
             f"rollout.n_samples={rcfg.n_samples}: group advantages need at least 2 samples"
         )
-    trainer_mesh, _ = make_meshes(cfg.mesh, cfg.train, jax.devices())
+    trainer_mesh, _ = make_meshes(cfg.mesh, cfg.train, jax.devices(), rollout=rcfg)
     shards = batch_shards(trainer_mesh)
     micro = cfg.learner.num_micro_batches
     rows = cfg.data.batch_size * rcfg.n_samples

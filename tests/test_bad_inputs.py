@@ -206,6 +206,32 @@ def test_device_count_errors_name_the_sampler_split(tmp_path, monkeypatch, overr
         train(cfg, log_fn=lambda m: None)
 
 
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        # 4 slots over the sampler's 3 data shards (3 devices, tensor 1)
+        (["train.sampler_devices=3"], r"num_slots=4 .*must divide over the mesh's data axis"),
+        (
+            ["train.sampler_devices=4", "rollout.num_pages=8"],
+            r"data shard.s pool \(8 / 4 = 2 pages\)",
+        ),
+    ],
+)
+def test_rollout_slots_that_do_not_split_over_the_sampler_mesh(
+    tmp_path, monkeypatch, overrides, match
+):
+    # Checked with the other pre-flight checks, before any model is built.
+    _no_build(monkeypatch)
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", *FAST, "train.topology=split", *overrides])
+    with pytest.raises(ValueError, match=match):
+        train(cfg, log_fn=lambda m: None)
+
+
+def test_sampler_tensor_must_divide_the_sampler_devices():
+    with pytest.raises(ConfigError, match="must be >= 1 and divide by train.sampler_tensor=3"):
+        load_config(TINY, ["train.sampler_devices=4", "train.sampler_tensor=3"])
+
+
 # -- 8. the user's reward function on one real example, before the model is built --------------
 
 

@@ -6,6 +6,8 @@ ahead of time for TPU v5p from this CPU host (needs libtpu: `make test-tpu-aot` 
     python tools/bench_memory.py --presets qwen2.5-7b --chips 8 --seq-lens 32768 --no-engine
     python tools/bench_memory.py --presets qwen3-0.6b --no-engine --peer none \\
         --learner-programs step loss_grad             # + one micro-batch's loss and gradient
+    python tools/bench_memory.py --no-learner --engine-chips 8 --engine-topology v5e:2x4 \
+        --engine-mesh 2x4                             # the 7B engine on v5e-8, data 2 x tensor 4
     python tools/bench_memory.py --presets qwen2.5-0.5b --seq-lens 4096 --no-engine \\
         --set learner.num_micro_batches=2 --set learner.loss.entropy_coef=0.01
 
@@ -96,6 +98,11 @@ def main() -> None:
     p.add_argument("--max-len", type=int, default=4096, help="prompt + new tokens per slot")
     p.add_argument("--policies", nargs="+", default=["none", "rkv"], help="none = dense")
     p.add_argument("--budget", type=int, default=512)
+    p.add_argument("--engine-chips", type=int, default=1, help="chips of the engine's mesh")
+    p.add_argument("--engine-topology", help="e.g. v5e:2x4 (default: v5p's for the chips)")
+    p.add_argument(
+        "--engine-mesh", help="DATAxTENSOR, e.g. 2x4: each data shard its own slots and pages"
+    )
     p.add_argument("--timeout", type=float, default=None, help="seconds per config")
     p.add_argument("--in-process", action="store_true", help="no subprocess per config")
     p.add_argument("--markdown", action="store_true", help="also print docs/benchmarks.md tables")
@@ -136,6 +143,9 @@ def main() -> None:
             budget=a.budget,
             programs=a.engine_programs,
             sets=a.sets,
+            chips=[a.engine_chips],
+            topology=a.engine_topology,
+            mesh=tuple(map(int, a.engine_mesh.split("x"))) if a.engine_mesh else None,
         )
     try:
         memory.check(specs)

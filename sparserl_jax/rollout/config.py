@@ -276,3 +276,41 @@ class ChunkOut(NamedTuple):
     tokens_sc: jax.Array
     logp_sc: jax.Array
     emit_sc: jax.Array
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GenerateConfig:
+    """A plain generation job (`sparserl generate`) on the rollout engine.
+
+    Attributes:
+      prompts: the texts to complete (the tokenizer adds its BOS token).
+      max_new_tokens: completion tokens per prompt at most (the stop token counts).
+      temperature: 0 is greedy. top_k: 0 is off. top_p: 1 is off.
+      seed: the sampling seed.
+      kv: KV compression while generating (as `rollout.kv`); null keeps every token.
+    """
+
+    prompts: tuple[str, ...] = ("1+2=",)
+    max_new_tokens: int = 32
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    kv: CompressionConfig | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"generate.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"generate.temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"generate.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"generate.top_k must be >= 0, got {self.top_k}")
+        if not self.prompts:
+            raise ValueError("generate.prompts is empty")
+        if self.kv is not None and self.kv.adaptive.enabled:
+            raise ValueError(
+                "generate.kv.adaptive.enabled: the adaptive budget moves between RL steps "
+                "(rollout.kv.adaptive with `sparserl train`); set generate.kv.budget instead"
+            )

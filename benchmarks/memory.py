@@ -47,6 +47,7 @@ from sparserl_jax.parallel.sharding import MeshConfig
 
 # Checkpoint shapes of issue 15 (registry names), the default sweep's subsets, and the lengths.
 PRESETS = ("qwen2.5-0.5b", "qwen3-0.6b", "qwen2.5-1.5b", "qwen2.5-7b", "llama3.2-1b")
+ENGINE_PRESETS = (*PRESETS, "qwen2.5-32b")  # the engine only: 32B's learner needs a pod
 SEQ_LENS = (4096, 16384, 32768)
 LEARNER_PROGRAMS = ("step", "loss_grad")
 # The smallest v5p topology holding this many chips (the first `chips` devices are used).

@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--no-learner", action="store_true")
     p.add_argument("--peer-only", action="store_true", help="of the learners, only the peer's")
     p.add_argument("--no-engine", action="store_true")
-    p.add_argument("--engine-presets", nargs="+", choices=memory.PRESETS)
+    p.add_argument("--engine-presets", nargs="+", choices=memory.ENGINE_PRESETS)
     p.add_argument("--engine-programs", nargs="+", default=["decode", "prefill"])
     p.add_argument("--slots", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)

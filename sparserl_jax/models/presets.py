@@ -41,6 +41,12 @@ _PRESETS = {
         num_kv_heads=4, head_dim=128, intermediate_size=18944, tie_embeddings=False,
         max_position_embeddings=32768,
     ),
+    # Shapes only (no checkpoint in tests): the rollout that fits a v5p-4 only with eviction.
+    "qwen2.5-32b": ModelConfig(
+        **_QWEN2, vocab_size=152064, hidden_size=5120, num_layers=64, num_heads=40,
+        num_kv_heads=8, head_dim=128, intermediate_size=27648, tie_embeddings=False,
+        max_position_embeddings=32768,
+    ),
     "qwen3-0.6b": ModelConfig(
         family="qwen3", vocab_size=151936, hidden_size=1024, num_layers=28, num_heads=16,
         num_kv_heads=8, head_dim=128, intermediate_size=3072, qk_norm=True,

@@ -36,13 +36,15 @@ def compact_pages_reference(
         )
         return jnp.maximum(page, 0) * pl + idx_bkj % pl
 
-    head_bkj = jnp.broadcast_to(jnp.arange(kh, dtype=jnp.int32)[None, :, None], (b, kh, j))
+    # Whole token rows ([K, ...]) are gathered and written, indexed by token alone: an index
+    # over (token, head) makes XLA view the pool as [tokens * K, ...], a relayout (a copy of the
+    # whole pool) on TPU, whose tiles span the minor dims. Head k of destination j takes head k
+    # of its own source token.
     src_bkj = flat_index(keep_bks)
-    vals = flat[src_bkj, head_bkj]
+    vals_bjk = jnp.stack([flat[src_bkj[:, k]][:, :, k] for k in range(kh)], axis=2)
     dst_j = jnp.arange(j, dtype=jnp.int32)
-    valid_bkj = jnp.broadcast_to((dst_j[None, :] < new_len_b[:, None])[:, None, :], (b, kh, j))
-    dst_bkj = flat_index(jnp.broadcast_to(dst_j[None, None, :], (b, kh, j)))
+    dst_bj = flat_index(jnp.broadcast_to(dst_j[None, None, :], (b, 1, j)))[:, 0]
     # Out-of-range index + mode="drop" skips the writes past new_len.
-    dst_bkj = jnp.where(valid_bkj, dst_bkj, p * pl)
-    flat = flat.at[dst_bkj, head_bkj].set(vals, mode="drop")
+    dst_bj = jnp.where(dst_j[None, :] < new_len_b[:, None], dst_bj, p * pl)
+    flat = flat.at[dst_bj].set(vals_bjk, mode="drop")
     return flat.reshape(pages.shape)

@@ -10,6 +10,7 @@ past `ceil(budget / page_size)` go back on the free stack.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -30,16 +31,22 @@ def should_compress(cache: PagedKVCache, config: CompressionConfig) -> Bool[Arra
 
 
 def compress(
-    cache: PagedKVCache, config: CompressionConfig, *, force: bool = False
+    cache: PagedKVCache,
+    config: CompressionConfig,
+    *,
+    force: bool = False,
+    any_due: Callable[[jax.Array], jax.Array] = jnp.any,
 ) -> PagedKVCache:
-    """Compress the rows that are due (every row above budget when `force`)."""
+    """Compress the rows that are due (every row above budget when `force`). `any_due` decides
+    whether to run at all (the rollout engine's data shards decide together, so that every
+    device runs the same program: `rollout.shards.any_slot`)."""
     if config.policy == "none" or cache.capacity <= config.budget:
         return cache  # no row can exceed the budget: statically a no-op
     due_b = cache.lengths_b > config.budget
     if not force:
         due_b = should_compress(cache, config)
     return jax.lax.cond(
-        jnp.any(due_b), lambda c: compress_rows(c, config, due_b), lambda c: c, cache
+        any_due(due_b), lambda c: compress_rows(c, config, due_b), lambda c: c, cache
     )
 
 

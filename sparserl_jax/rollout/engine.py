@@ -32,6 +32,7 @@ running per shard (`rollout.shards`); tokens equal one device's for the same key
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -116,6 +117,8 @@ class RolloutEngine:
         order_r = jnp.argsort(~fill_s, stable=True).astype(jnp.int32)
         order_r = jnp.concatenate([order_r, jnp.full((cdiv(s, g) * g - s,), s, jnp.int32)])
         num_fill = jnp.sum(fill_s.astype(jnp.int32))
+        if self.data > 1:  # every data shard runs the same groups (the same program)
+            num_fill = jax.lax.pmax(num_fill, "data")
         # A filled slot is empty (new or released), so its prompt lands in its first pages:
         # each group attends over those, not over the slot's whole capacity.
         cols = min(cache.page_table.shape[1], cdiv(p, cache.page_size))
@@ -249,7 +252,8 @@ class RolloutEngine:
                     carry,
                 )
                 i, cache, slots, out = carry
-                return i, compress(cache, kv), slots, out
+                any_due = functools.partial(any_slot, d=self.data)
+                return i, compress(cache, kv, any_due=any_due), slots, out
 
             carry = jax.lax.while_loop(lambda x: steps_left(x[0], x[2]), segment, carry)
         _, cache, slots, out = carry

@@ -4,11 +4,15 @@ shard holds its own S / D slots, its own page pool of P / D pages and its own fr
 The engine's device programs (prefill, decode chunk, refill) then run per data shard under
 `shard_map` over `data` alone (`tensor` stays automatic: the weights, heads, MLP columns and
 vocabulary are split over it by the model's logical axes, and the pools over KV heads where
-their count divides by it). Nothing crosses data shards in decode but two booleans per step:
+their count divides by it). Nothing crosses data shards but three small decisions: in decode,
 whether any slot of any shard is still live and whether any row of any shard is due for
-compression, so every shard runs the same steps and compresses at the same steps as one device
-would (the compression interval counts the batch's steps): tokens equal one device's for the
-same keys, since a request's keys do not depend on its slot.
+compression (one boolean each per step); in prefill, the most slots any shard fills. So every
+device runs the same program: the same steps, compressions and prefill groups (a shard with
+nothing to do runs them as no-ops). That is what one device would do (the compression interval
+counts the batch's steps), so tokens equal one device's for the same keys, since a request's keys
+do not depend on its slot; and control flow that differed between shards, with the tensor axis'
+collectives inside, hangs XLA:CPU's collectives (seen: a compression's `lax.cond` taken by one
+shard only).
 
 The cache of every shard is stacked on a new leading axis of length D, split over `data` (its
 page tables hold shard-local page ids, its scalars, such as the free stack's top, are one per

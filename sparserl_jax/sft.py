@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+import time
 from collections.abc import Callable
 
 import jax
@@ -161,9 +162,11 @@ def sft_warm_start(
     tokenizer,
     *,
     on_step: Callable[[int, float], None] | None = None,
+    log: Callable[[str], None] | None = None,
 ) -> list[float]:
     """Train `model` in place for `cfg.steps` steps on `data`'s reference completions; returns
-    the loss of every step. Deterministic for a given config (batches come in a seeded order)."""
+    the loss of every step. Deterministic for a given config (batches come in a seeded order).
+    `log` gets a progress line (loss, seconds so far) after every tenth of the steps."""
     if cfg.steps == 0:
         return []
     pairs = sft_pairs(data, cfg.num_examples)
@@ -188,7 +191,7 @@ def sft_warm_start(
     views = np.random.default_rng([cfg.seed, 2])  # which rows see through the window
     windowed = streaming_evict_pos(full.tokens_bt.shape[1], cfg.window, cfg.window_sinks)
     order = np.empty(0, np.int64)
-    losses = []
+    losses, t0 = [], time.perf_counter()
     for i in range(cfg.steps):
         if len(order) < cfg.batch_size:
             order = np.concatenate([order, rng.permutation(len(pairs))])
@@ -210,6 +213,9 @@ def sft_warm_start(
         losses.append(float(loss))
         if on_step is not None:
             on_step(i + 1, losses[-1])
+        if log is not None and (i + 1) % max(cfg.steps // 10, 1) == 0 and i + 1 < cfg.steps:
+            dt = time.perf_counter() - t0
+            log(f"SFT step {i + 1}/{cfg.steps}: loss {losses[-1]:.3f}, {dt:.0f}s")
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     return losses

@@ -257,11 +257,11 @@ def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
                 guard.mark(f"sft:{i}", f"the SFT warm start ({i}/{cfg.sft.steps} steps done)")
 
             with guard.abortable("sft:0", f"the SFT warm start (0/{cfg.sft.steps} steps done)"):
-                losses = sft_warm_start(model, cfg.sft, cfg.data, tokenizer, on_step=sft_step)
-            log_fn(
-                f"SFT warm start: {cfg.sft.steps} steps, loss {losses[0]:.3f} -> "
-                f"{losses[-1]:.3f} in {time.perf_counter() - t0:.1f}s"
-            )
+                losses = sft_warm_start(
+                    model, cfg.sft, cfg.data, tokenizer, on_step=sft_step, log=log_fn
+                )
+            dt, a, b = time.perf_counter() - t0, losses[0], losses[-1]
+            log_fn(f"SFT warm start: {cfg.sft.steps} steps, loss {a:.3f} -> {b:.3f} in {dt:.1f}s")
         state = learner.init(model)
         # Step 0 = after the warm start: a run killed later never repeats the SFT stage.
         ckpt.save(

@@ -27,7 +27,7 @@ from sparserl_jax.config import TrainConfig
 from sparserl_jax.data import Example, compute_rewards
 from sparserl_jax.parallel import MeshConfig, make_mesh, state_shardings
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine, RolloutResult
-from sparserl_jax.rollout.shards import check_split, data_shards
+from sparserl_jax.rollout.shards import check_split
 from sparserl_jax.sync import ApplyEvent, Receiver, Transport, leaf_names
 from sparserl_jax.sync.mask import from_bits, published_dtype
 
@@ -67,9 +67,10 @@ def make_meshes(
             raise ValueError(f"{e} ({trainer_devices(train_cfg, len(devices))})") from None
         split = MeshConfig(data=-1, fsdp=1, tensor=train_cfg.sampler_tensor)
         sampler = make_mesh(split, devices[len(devices) - k :])
-    if rollout is not None and data_shards(sampler or trainer) > 1:
-        mesh = sampler or trainer
-        check_split(mesh, rollout.num_slots, rollout.pool_pages, rollout.pages_per_slot)
+    if rollout is not None:
+        check_split(
+            sampler or trainer, rollout.num_slots, rollout.pool_pages, rollout.pages_per_slot
+        )
     return trainer, sampler
 
 

@@ -138,25 +138,28 @@ class PagedKVCache:
             mesh=mesh,
         )
 
-    def shardings(self) -> PagedKVCache:
+    def shardings(self, *, stacked: str | None = None) -> PagedKVCache:
         """A matching tree of `NamedSharding`s on `mesh`: pools (and the query window and the
         attention mass) split over the mesh by KV head when their count divides by its size,
-        as the kernels split them (`on_mesh`); page tables, lengths and counters replicated."""
+        as the kernels split them (`on_mesh`); page tables, lengths and counters replicated.
+
+        `stacked`: the shardings of a stack of such caches on a new leading axis, split over
+        that mesh axis (the rollout engine's data shards), the heads over the other axes."""
         if self.mesh is None:
             raise ValueError("PagedKVCache.shardings needs a cache created with a mesh")
-        axes = kv_head_axes(self.mesh, self.k_pages.shape[3])
+        axes = kv_head_axes(self.mesh, self.k_pages.shape[3], skip=(stacked,) if stacked else ())
+        lead = [stacked] if stacked else []
 
-        def by_head(dim: int):
+        def by_head(dim: int | None):
             def sharding(x):
-                parts = [None] * x.ndim
-                if axes is not None:
-                    parts[dim] = axes
+                parts = lead + [None] * x.ndim
+                if axes is not None and dim is not None:
+                    parts[len(lead) + dim] = axes
                 return NamedSharding(self.mesh, PartitionSpec(*parts))
 
             return sharding
 
-        rep = NamedSharding(self.mesh, PartitionSpec())
-        tree = jax.tree.map(lambda _: rep, self)
+        tree = jax.tree.map(by_head(None), self)
         heads = {"k_pages": 3, "v_pages": 3, "q_window": 3, "attn_mass": 3}
         return dataclasses.replace(
             tree,

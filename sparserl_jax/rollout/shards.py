@@ -23,7 +23,6 @@ shard (`admit` on each shard's slots and free pages).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 
@@ -32,14 +31,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pallas_kernels._dispatch import kv_head_axes
-from sparserl_jax.kvcache import PagedKVCache
 from sparserl_jax.rollout.config import ChunkOut, RolloutConfig
 from sparserl_jax.rollout.host import admit
 
 DATA = "data"
-# The pools' (and the query window's, H2O's mass's) KV-head dimension in one shard's cache.
-_HEAD_DIMS = {"k_pages": 3, "v_pages": 3, "q_window": 3, "attn_mass": 3}
 
 
 def data_shards(mesh: Mesh | None) -> int:
@@ -47,8 +42,9 @@ def data_shards(mesh: Mesh | None) -> int:
     return 1 if mesh is None else int(dict(mesh.shape).get(DATA, 1))
 
 
-def check_split(mesh: Mesh, num_slots: int, pool_pages: int, per_slot: int) -> int:
-    """D, after checking that slots and pages divide over it and a shard can hold a sequence."""
+def check_split(mesh: Mesh, num_slots: int, pool_pages: int, per_slot: int) -> None:
+    """Check that slots and pages divide over `mesh`'s data shards and that a shard's pool can
+    hold one sequence (one line naming the setting otherwise)."""
     d = data_shards(mesh)
     if num_slots % d or pool_pages % d:
         raise ValueError(
@@ -60,7 +56,6 @@ def check_split(mesh: Mesh, num_slots: int, pool_pages: int, per_slot: int) -> i
             f"a data shard's pool ({pool_pages} / {d} = {pool_pages // d} pages) cannot hold one "
             f"sequence ({per_slot} pages): raise rollout.num_pages or lower mesh.data"
         )
-    return d
 
 
 def jit_programs(mesh: Mesh | None, config: RolloutConfig, empty: Callable, impls: dict):
@@ -77,11 +72,10 @@ def jit_programs(mesh: Mesh | None, config: RolloutConfig, empty: Callable, impl
     out = chunk = None
     if mesh is not None:
         cache, slots = jax.eval_shape(empty)
+        # The stacked caches split over data (each shard's own), the slot axis likewise.
         by_slot = NamedSharding(mesh, PartitionSpec(DATA if d > 1 else None))
-        if d > 1:
-            out = stacked_shardings(mesh, cache, slots)
-        else:
-            out = (cache.shardings(), jax.tree.map(lambda _: by_slot, slots))
+        stacked = DATA if d > 1 else None
+        out = (cache.shardings(stacked=stacked), jax.tree.map(lambda _: by_slot, slots))
         chunk = (*out, ChunkOut(by_slot, by_slot, by_slot))
     init = jax.jit(programs[3], out_shardings=out)
     prefill, step, refill = (
@@ -133,31 +127,6 @@ def init_per_shard(empty: Callable, mesh: Mesh) -> Callable:
         return jax.tree.map(lambda x: x[None], cache), slots
 
     return jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=PartitionSpec(DATA))
-
-
-def stacked_shardings(mesh: Mesh, cache: PagedKVCache, slots) -> tuple:
-    """Shardings of (stacked cache, slot state): the shard axis over `data`, the pools' KV heads
-    over the other axes where their count divides by them (replicated otherwise, as usual for
-    GQA), the slot state's slot axis over `data`. `cache` is one shard's (abstract) cache."""
-    heads = kv_head_axes(mesh, cache.k_pages.shape[3], skip=(DATA,))
-
-    def sharding(head_dim: int | None):
-        def one(x):
-            parts: list = [DATA] + [None] * x.ndim
-            if head_dim is not None and heads is not None:
-                parts[1 + head_dim] = heads
-            return NamedSharding(mesh, PartitionSpec(*parts))
-
-        return one
-
-    tree = jax.tree.map(sharding(None), cache)
-    by_head = {
-        name: sharding(dim)(getattr(cache, name))
-        for name, dim in _HEAD_DIMS.items()
-        if getattr(cache, name) is not None
-    }
-    by_slot = jax.tree.map(lambda _: NamedSharding(mesh, PartitionSpec(DATA)), slots)
-    return dataclasses.replace(tree, **by_head), by_slot
 
 
 def shard_admit(slot_req, waiting, free_d, pages_s, config: RolloutConfig) -> np.ndarray:

@@ -6,7 +6,7 @@ ahead of time for TPU v5p from this CPU host (needs libtpu: `make test-tpu-aot` 
     python tools/bench_memory.py --presets qwen2.5-7b --chips 8 --seq-lens 32768 --no-engine
     python tools/bench_memory.py --presets qwen3-0.6b --no-engine --peer none \\
         --learner-programs step loss_grad             # + one micro-batch's loss and gradient
-    python tools/bench_memory.py --no-learner --engine-chips 8 --engine-topology v5e:2x4 \
+    python tools/bench_memory.py --no-learner --engine-chips 8 --engine-topology v5e:2x4 \\
         --engine-mesh 2x4                             # the 7B engine on v5e-8, data 2 x tensor 4
     python tools/bench_memory.py --presets qwen2.5-0.5b --seq-lens 4096 --no-engine \\
         --set learner.num_micro_batches=2 --set learner.loss.entropy_coef=0.01

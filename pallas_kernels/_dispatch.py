@@ -196,6 +196,28 @@ def kv_head_axes(
     return axes if axes and kv_heads % size == 0 else None
 
 
+def pool_dims(
+    shape: Sequence[int], *, head_dim: int | None = None, kv_heads: int | None = None
+) -> tuple[int, int, int, int]:
+    """`(P, L, K, F)` of a page pool given as `[P, L, K, F]` or lane-dense as `[P, L, K * F]`.
+
+    The rollout cache stores its pools lane-dense: on TPU the minor dims `(K, F)` of a
+    `[P, L, K, F]` pool are tiled (and padded) together, so every op that views the pool as
+    rows of `K * F` (the kernels, token-row gathers) would copy it whole into that layout. The
+    lane-dense form says how to split its last dim by `head_dim` (F) or `kv_heads` (K)."""
+    if len(shape) == 4:
+        return tuple(shape)  # type: ignore[return-value]
+    if len(shape) != 3 or (head_dim is None) == (kv_heads is None):
+        raise ValueError(
+            f"a pool is [P, L, K, F] or [P, L, K * F] with head_dim or kv_heads; got {shape}"
+        )
+    p, page_size, c = shape
+    kh = c // head_dim if head_dim is not None else kv_heads
+    if not kh or c % kh:
+        raise ValueError(f"a lane-dense pool's last dim {c} does not split into {kh} heads")
+    return p, page_size, kh, c // kh
+
+
 def local_kv_heads(mesh: Mesh | None, kv_heads: int) -> int:
     """How many KV heads one device's kernel call sees under `on_mesh`."""
     axes = kv_head_axes(mesh, kv_heads)

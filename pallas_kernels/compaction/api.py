@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 from jax.sharding import Mesh
 from jaxtyping import Array, Int, Shaped
 
@@ -14,13 +12,14 @@ from pallas_kernels._dispatch import (
     choose_impl,
     local_kv_heads,
     on_mesh,
+    pool_dims,
 )
 from pallas_kernels.compaction import kernel_gpu, kernel_tpu
 from pallas_kernels.compaction.reference import compact_pages_reference
 
 
 def compact_pages(
-    pages: Shaped[Array, "P L K ..."],
+    pages: Shaped[Array, "P L K ..."] | Shaped[Array, "P L KF"],
     page_table_bm: Int[Array, "B M"],
     keep_bks: Int[Array, "B K J"],
     new_len_b: Int[Array, " B"],
@@ -28,7 +27,8 @@ def compact_pages(
     impl: Impl = "auto",
     mesh: Mesh | None = None,
 ) -> Shaped[Array, "P L K ..."]:
-    """Each row's kept tokens gathered to the front of its pages (see `reference.py`).
+    """Each row's kept tokens gathered to the front of its pages (see `reference.py`); the
+    pool `[P, L, K, ...]` or lane-dense `[P, L, K * F]` (`_dispatch.pool_dims`).
 
     `impl` and `mesh` as in `paged_decode_attention` (decided for the platform the program is
     lowered for); shapes the chosen kernel cannot compile run on XLA.
@@ -39,7 +39,7 @@ def compact_pages(
         if which == "pallas_tpu":
             local = local_kv_heads(mesh, kh)
             return kernel_tpu.unsupported_reason(b, page_table_bm.shape[1], local, j)
-        return kernel_gpu.unsupported_reason(math.prod(pages.shape[3:]))
+        return kernel_gpu.unsupported_reason(pool_dims(pages.shape, kv_heads=kh)[3])
 
     def build(which: Concrete, interpret: bool):
         if which == "xla":

@@ -59,8 +59,11 @@ def compact_pages_gpu(
     interpret: bool = False,
 ) -> Shaped[Array, "P L K ..."]:
     """The pool with each row's kept tokens moved to its front, in place (see `reference.py`)."""
-    p, page_size, kh = pages.shape[:3]
-    flat = pages.reshape(p, page_size, kh, -1)  # trailing dims as one (H for K/V, 1 for mass)
+    p, page_size = pages.shape[:2]
+    kh = keep_bks.shape[1]
+    # Either layout (`[P, L, K, ...]` or lane-dense `[P, L, K * F]`) as `[P, L, K, F]` (F: H for
+    # K/V, 1 for H2O's mass): free on a GPU.
+    flat = pages.reshape(p, page_size, kh, -1)
     b = keep_bks.shape[0]
     out = pl.pallas_call(
         functools.partial(_kernel, page_size=page_size),

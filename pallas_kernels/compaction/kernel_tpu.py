@@ -67,8 +67,10 @@ def compact_pages_tpu(
 
     `interpret`: run in Pallas' HLO interpreter (any platform), as the api does off a TPU.
     """
-    p, page_size, kh = pages.shape[:3]
-    # [P, L, K, 1, F]: the kv head is a leading (untiled) dim, so a DMA may start at any head.
+    p, page_size = pages.shape[:2]
+    kh = keep_bks.shape[1]
+    # [P, L, K, 1, F] from either layout: the kv head is a leading (untiled) dim, so a DMA may
+    # start at any head.
     flat = pages.reshape(p, page_size, kh, 1, -1)
     b = keep_bks.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(

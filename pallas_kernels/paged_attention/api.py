@@ -19,6 +19,7 @@ from pallas_kernels._dispatch import (
     local_kv_heads,
     mesh_platform,
     on_mesh,
+    pool_dims,
 )
 from pallas_kernels.paged_attention import kernel_gpu, kernel_tpu
 from pallas_kernels.paged_attention.reference import (
@@ -37,7 +38,8 @@ def decode_impl(
     mesh: Mesh | None = None,
     platform: str | None = None,
 ) -> Concrete:
-    """What `paged_decode_attention` runs for a `[P, L, K, H]` pool on `platform` (default: the
+    """What `paged_decode_attention` runs for a `[P, L, K, H]` pool (`kv_shape`: the pool's
+    dims, `_dispatch.pool_dims`, whichever layout it is stored in) on `platform` (default: the
     mesh's, else `_dispatch.target_platform()`).
 
     The chosen kernel when it compiles for these shapes, else "xla" (logged once); see
@@ -82,7 +84,7 @@ def decode_kernel(
             arrays_only,
             (q, kp, vp, pt, lens),
             mesh=mesh,
-            kv_heads=kp.shape[2],
+            kv_heads=pool_dims(kp.shape, head_dim=q.shape[-1])[2],
             in_head_dims=(1, 2, 2, None, None),
             out_head_dims=(1, 1, 1) if return_probs else (1, 1),
         )
@@ -117,7 +119,8 @@ def paged_decode_attention(
 
     def choose(platform: str) -> Concrete:
         n = q_bnh.shape[1]
-        return decode_impl(k_pages.shape, n, b, m, impl=impl, mesh=mesh, platform=platform)
+        kv_shape = pool_dims(k_pages.shape, head_dim=q_bnh.shape[-1])
+        return decode_impl(kv_shape, n, b, m, impl=impl, mesh=mesh, platform=platform)
 
     def build(which: Concrete, interpret: bool):
         if which == "xla":

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._dispatch import is_pow2
+from pallas_kernels._dispatch import is_pow2, pool_dims
 
 _NEG = -1e30  # finite: an all-masked page must not produce inf - inf
 
@@ -98,7 +98,10 @@ def paged_decode_attention_gpu(
     Logits past a row's length are unspecified (mask them, e.g. `probs_from_logits`).
     """
     b, n, h = q_bnh.shape
-    _, page_size, kh, _ = k_pages.shape
+    # A lane-dense pool is split by head here: free on a GPU (row-major, no tiles).
+    shape = pool_dims(k_pages.shape, head_dim=h)
+    k_pages, v_pages = k_pages.reshape(shape), v_pages.reshape(shape)
+    _, page_size, kh, _ = shape
     s = page_table_bm.shape[1] * page_size
     g = n // kh
     gp = padded_rows(g)

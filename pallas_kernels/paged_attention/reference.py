@@ -1,8 +1,9 @@
 """Pure-jnp paged attention: the specification the kernels are tested against.
 
 Layout (one layer): `k_pages, v_pages [P, L, K, H]` (P pages of L tokens, K kv heads, head dim
-H); `page_table [B, M]` lists the pages of each row in logical order (entries past the row's
-pages are ignored and may be -1); logical token j of row b lives at
+H), or lane-dense `[P, L, K * H]` (`_dispatch.pool_dims`; the rollout cache stores them so);
+`page_table [B, M]` lists the pages of each row in logical order (entries past the row's pages
+are ignored and may be -1); logical token j of row b lives at
 `pages[page_table[b, j // L], j % L]`. Queries are pre-scaled by 1/sqrt(H). Query head n uses kv
 head n // G, G = N // K (Hugging Face `repeat_kv`). Softmax in fp32; outputs are fp32.
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
+
+from pallas_kernels._dispatch import pool_dims
 
 
 def gather_pages(
@@ -40,11 +43,12 @@ def paged_attention_reference(
     masked keys: what H2O accumulates.
     """
     b, t, n, h = q_btnh.shape
-    kh = k_pages.shape[2]
+    kh = pool_dims(k_pages.shape, head_dim=h)[2]
     g = n // kh
-    k_bskh = gather_pages(k_pages, page_table_bm)
-    v_bskh = gather_pages(v_pages, page_table_bm)
-    s = k_bskh.shape[1]
+    # Gathered whole pages (token rows of K * H in the lane-dense layout), then split by head.
+    s = page_table_bm.shape[1] * k_pages.shape[1]
+    k_bskh = gather_pages(k_pages, page_table_bm).reshape(b, s, kh, h)
+    v_bskh = gather_pages(v_pages, page_table_bm).reshape(b, s, kh, h)
     key_s = jnp.arange(s, dtype=jnp.int32)
     mask_bts = (key_s[None, None, :] <= q_index_bt[:, :, None]) & (
         key_s[None, None, :] < kv_len_b[:, None, None]

@@ -12,6 +12,7 @@ from pallas_kernels._dispatch import (
     choose_impl,
     local_kv_heads,
     on_mesh,
+    pool_dims,
 )
 from pallas_kernels.paged_attention.kernel_tpu import unsupported_reason as tpu_unsupported
 from pallas_kernels.window_scores import kernel_gpu, kernel_tpu
@@ -35,7 +36,7 @@ def window_scores(
     """
     b, w = q_bwnh.shape[:2]
     m = page_table_bm.shape[1]
-    pages, page_size, kv_heads, head_dim = k_pages.shape
+    pages, page_size, kv_heads, head_dim = pool_dims(k_pages.shape, head_dim=q_bwnh.shape[-1])
     local_shape = (pages, page_size, local_kv_heads(mesh, kv_heads), head_dim)
 
     def unsupported(which: Concrete) -> str | None:

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._dispatch import is_pow2
+from pallas_kernels._dispatch import is_pow2, pool_dims
 from pallas_kernels.paged_attention.kernel_gpu import padded_rows
 
 _NEG = -1e30
@@ -92,7 +92,10 @@ def window_scores_gpu(
 ) -> Float[Array, "B K S"]:
     """SnapKV importance `[B, K, M * L]`, zero past each row's length (see `reference.py`)."""
     b, w, n, h = q_bwnh.shape
-    _, page_size, kh, _ = k_pages.shape
+    # A lane-dense pool is split by head here: free on a GPU (row-major, no tiles).
+    shape = pool_dims(k_pages.shape, head_dim=h)
+    k_pages = k_pages.reshape(shape)
+    _, page_size, kh, _ = shape
     s = page_table_bm.shape[1] * page_size
     q_bwnh = jnp.pad(q_bwnh, ((0, 0), (padded_rows(w) - w, 0), (0, 0), (0, 0)))
     per_head = pl.pallas_call(

@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels._dispatch import cdiv
+from pallas_kernels._dispatch import cdiv, pool_dims
 from pallas_kernels.paged_attention.kernel_tpu import (
     SUBLANES,
     heads_per_lane_block,
@@ -99,7 +99,7 @@ def window_scores_tpu(
     `interpret`: run in Pallas' HLO interpreter (any platform), as the api does off a TPU.
     """
     b, w, n, h = q_bwnh.shape
-    num_pages, page_size, kh, _ = k_pages.shape
+    num_pages, page_size, kh, _ = pool_dims(k_pages.shape, head_dim=h)
     g = n // kh
     m = page_table_bm.shape[1]
     r = heads_per_lane_block(kh, h) or 1

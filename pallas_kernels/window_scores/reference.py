@@ -7,7 +7,8 @@ keys with the causal mask of the window (window query i, the i-th of the last w 
 up to kept index `len - w + i`). Window slot i is a real query only when `i >= w - n_queries`
 (a row shorter than w has fewer). The 1-D max-pool (kernel 7) is applied by the policy, not here.
 
-Layout as in `pallas_kernels.paged_attention.reference`; queries are pre-scaled by 1/sqrt(H).
+Layout as in `pallas_kernels.paged_attention.reference` (either pool layout); queries are
+pre-scaled by 1/sqrt(H).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels._dispatch import pool_dims
 from pallas_kernels.paged_attention.reference import gather_pages
 
 
@@ -27,10 +29,10 @@ def window_scores_reference(
 ) -> Float[Array, "B K S"]:
     """Importance `[B, K, S]` (S = M * L) of each kept key; zero past the row's length."""
     b, w, n, h = q_bwnh.shape
-    kh = k_pages.shape[2]
+    kh = pool_dims(k_pages.shape, head_dim=h)[2]
     g = n // kh
-    k_bskh = gather_pages(k_pages, page_table_bm).astype(jnp.float32)
-    s = k_bskh.shape[1]
+    s = page_table_bm.shape[1] * k_pages.shape[1]
+    k_bskh = gather_pages(k_pages, page_table_bm).reshape(b, s, kh, h).astype(jnp.float32)
     key_s = jnp.arange(s, dtype=jnp.int32)
     win_w = jnp.arange(w, dtype=jnp.int32)
     # Window query i is token `len - w + i`; it sees kept keys up to and including itself.

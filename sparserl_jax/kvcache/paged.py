@@ -1,6 +1,10 @@
 """The paged KV cache: page pools shared through one page table, following `DecodeCache`.
 
-Per layer a K and a V pool `[P, L, K, H]` (stacked over layers: `[Y, P, L, K, H]`); one page
+Per layer a K and a V pool of P pages of L tokens, each token a row of its K heads' keys (or
+values) side by side, `[P, L, K * H]` (stacked over layers: `[Y, P, L, K * H]`). That lane-dense
+layout is the one every op on the pool reads or writes: the Mosaic kernels' blocks, token-row
+stores, gathers and compaction; on TPU a `[..., K, H]` pool is tiled over (K, H) instead (padded
+when K is small) and each of those ops would copy the whole pool into the other layout. One page
 table `[B, M]` for all layers (a page id names the same page in every layer's pool), kept-token
 counts, and the next absolute position of each slot. Keys are stored after RoPE, so a kept key
 stays valid however far it is compacted; a new token's RoPE position is its absolute position
@@ -53,8 +57,8 @@ _STATIC = {"static": True}
 class PagedKVCache:
     """A paged, compressible KV cache for `B` slots (see the module docstring)."""
 
-    k_pages: jax.Array  # [layers, P, L, K, H]
-    v_pages: jax.Array  # [layers, P, L, K, H]
+    k_pages: jax.Array  # [layers, P, L, K * H] (lane-dense: the module docstring)
+    v_pages: jax.Array  # [layers, P, L, K * H]
     page_table: jax.Array  # int32 [B, M]; -1 where the slot holds no page
     num_pages_b: jax.Array  # int32 [B]: pages each slot holds
     lengths_b: jax.Array  # int32 [B]: tokens kept per slot
@@ -69,6 +73,7 @@ class PagedKVCache:
     q_window: jax.Array | None  # [layers, B, w, N, H] or None
     attn_mass: jax.Array | None  # fp32 [layers, P, L, K] or None
     evict_pos: jax.Array | None = None  # int32 [Y', B, K', T] (`kvcache.evictions`) or None
+    kv_heads: int = dataclasses.field(default=1, metadata=_STATIC)  # K of the pools
     impl: Impl = dataclasses.field(default="auto", metadata=_STATIC)
     # The devices the kernels run on per device (`pallas_kernels._dispatch.on_mesh`); None: one.
     mesh: Mesh | None = dataclasses.field(default=None, metadata=_STATIC)
@@ -108,7 +113,7 @@ class PagedKVCache:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if window > 0 and num_heads is None:
             raise ValueError("recording a query window needs num_heads")
-        pool = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        pool = (num_layers, num_pages, page_size, num_kv_heads * head_dim)
         stack, top = allocator.init_free_stack(num_pages)
         zeros_b = jnp.zeros((batch,), jnp.int32)
         q_window = None
@@ -116,7 +121,7 @@ class PagedKVCache:
             q_window = jnp.zeros((num_layers, batch, window, num_heads, head_dim), dtype)
         attn_mass = None
         if track_attention_mass:
-            attn_mass = jnp.zeros(pool[:-1], jnp.float32)
+            attn_mass = jnp.zeros(pool[:-1] + (num_kv_heads,), jnp.float32)
         return cls(
             k_pages=jnp.zeros(pool, dtype),
             v_pages=jnp.zeros(pool, dtype),
@@ -134,6 +139,7 @@ class PagedKVCache:
             q_window=q_window,
             attn_mass=attn_mass,
             evict_pos=None if evict_record is None else evictions.empty_record(evict_record, batch),
+            kv_heads=num_kv_heads,
             impl=impl,
             mesh=mesh,
         )
@@ -147,7 +153,7 @@ class PagedKVCache:
         that mesh axis (the rollout engine's data shards), the heads over the other axes."""
         if self.mesh is None:
             raise ValueError("PagedKVCache.shardings needs a cache created with a mesh")
-        axes = kv_head_axes(self.mesh, self.k_pages.shape[3], skip=(stacked,) if stacked else ())
+        axes = kv_head_axes(self.mesh, self.kv_heads, skip=(stacked,) if stacked else ())
         lead = [stacked] if stacked else []
 
         def by_head(dim: int | None):
@@ -172,6 +178,14 @@ class PagedKVCache:
 
     # ---- sizes -------------------------------------------------------------------------------
 
+    def split_heads(self, pool: jax.Array) -> jax.Array:
+        """A pool (or a gather of its token rows) with its last dim split as `[..., K, H]`."""
+        return pool.reshape(pool.shape[:-1] + (self.kv_heads, -1))
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_pages.shape[-1] // self.kv_heads
+
     @property
     def page_size(self) -> int:
         return self.k_pages.shape[2]
@@ -192,10 +206,10 @@ class PagedKVCache:
     @property
     def page_bytes(self) -> int:
         """Bytes one page occupies across all layers, K and V (plus H2O's mass if tracked)."""
-        layers, _, pl, kh, h = self.k_pages.shape
-        nbytes = 2 * layers * pl * kh * h * self.k_pages.dtype.itemsize
+        layers, _, pl, row = self.k_pages.shape
+        nbytes = 2 * layers * pl * row * self.k_pages.dtype.itemsize
         if self.attn_mass is not None:
-            nbytes += layers * pl * kh * 4
+            nbytes += layers * pl * self.kv_heads * 4
         return nbytes
 
     def pages_in_use(self) -> Int[Array, ""]:
@@ -252,8 +266,9 @@ class PagedKVCache:
         # XLA turns into a copy of the layer's pool every step): in place inside the decode loop.
         page_w_bt, off_w_bt = flat_bt // pl, flat_bt % pl
 
-        def store(pool, new):
-            return pool.at[layer, page_w_bt, off_w_bt].set(new.astype(pool.dtype), mode="drop")
+        def store(pool, new):  # whole token rows (K * H lanes)
+            new = new.reshape(b, t, -1).astype(pool.dtype)
+            return pool.at[layer, page_w_bt, off_w_bt].set(new, mode="drop")
 
         k_pages = store(self.k_pages, k_btkh)
         v_pages = store(self.v_pages, v_btkh)
@@ -264,7 +279,8 @@ class PagedKVCache:
             # Decode per target platform (`by_platform`): the kernel when it compiles for these
             # shapes, else XLA (logged once), bounded by the longest row's pages rather than
             # the table's capacity. Both slice the layer inside their branch.
-            n, shape = q_btnh.shape[2], k_pages.shape[1:]
+            n = q_btnh.shape[2]
+            shape = (self.num_pages, pl, self.kv_heads, self.head_dim)
 
             def choose(platform: str) -> Concrete:
                 return decode_impl(

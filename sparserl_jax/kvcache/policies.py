@@ -55,7 +55,7 @@ def max_pool_1d(
 def streaming_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array, "Y B K S"]:
     """Sinks rank above everything, then tokens rank by recency."""
     layers, s = cache.k_pages.shape[0], cache.capacity
-    kh = cache.k_pages.shape[3]
+    kh = cache.kv_heads
     j = jnp.arange(s, dtype=jnp.float32)
     score_s = jnp.where(j < config.sink_tokens, 2.0 * s, j)
     return jnp.broadcast_to(score_s, (layers, cache.page_table.shape[0], kh, s))
@@ -134,8 +134,8 @@ def rkv_redundancy(
     def layer_scores(layer: int):
         def rows(args):
             table_gm, valid_gs = args
-            k_gmlkh = cache.k_pages[layer, table_gm]
-            k_gskh = k_gmlkh.reshape((k_gmlkh.shape[0], -1) + k_gmlkh.shape[3:])
+            k_gmlc = cache.k_pages[layer, table_gm]  # whole pages of token rows
+            k_gskh = k_gmlc.reshape(k_gmlc.shape[0], -1, cache.kv_heads, cache.head_dim)
             return redundancy_scores(
                 k_gskh,
                 valid_gs,

@@ -61,7 +61,7 @@ def _check(cache, model):
     assert POOL - top == npages.sum()
     assert int(cache.peak_pages) >= POOL - top
     # Every kept token is where the model says (per head), with its own slot and head stamp.
-    v = np.asarray(gather_pages(cache.v_pages[0], cache.page_table))
+    v = np.asarray(gather_pages(cache.split_heads(cache.v_pages)[0], cache.page_table))
     for b in range(B):
         assert lengths[b] == len(model[b][0])
         for h in range(KH):
@@ -115,7 +115,7 @@ def test_allocator_and_compaction_invariants(ops, granularity):
             rows = np.array(arg) & (np.asarray(cache.lengths_b) > BUDGET)
             old = [[list(m) for m in slot] for slot in model]
             cache = crows(cache, jnp.asarray(rows))
-            v = np.asarray(gather_pages(cache.v_pages[0], cache.page_table))
+            v = np.asarray(gather_pages(cache.split_heads(cache.v_pages)[0], cache.page_table))
             for b in np.flatnonzero(rows):
                 for h in range(KH):
                     kept = v[b, :BUDGET, h, 0].astype(int).tolist()

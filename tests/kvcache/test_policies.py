@@ -47,7 +47,7 @@ def _fill(keys_lskh, queries_lsnh, *, window, track, page_size=3):
 
 
 def _kept(cache, layer=0, head=0):
-    v = gather_pages(cache.v_pages[layer], cache.page_table)
+    v = gather_pages(cache.split_heads(cache.v_pages)[layer], cache.page_table)
     return [int(x) for x in v[0, : int(cache.lengths_b[0]), head, 0]]
 
 

@@ -41,7 +41,7 @@ def test_blocked_redundancy_equals_all_slots_at_once(block):
     want = jnp.stack(
         [
             redundancy_scores(
-                gather_pages(k_pages[y], cache.page_table),
+                gather_pages(cache.split_heads(k_pages)[y], cache.page_table),
                 valid_bs,
                 threshold=kv.rkv_sim_threshold,
                 retain_last=kv.rkv_retain_last,

@@ -114,11 +114,11 @@ def test_each_data_shard_holds_its_own_pages():
     cfg = config("rkv", "head", 1.0)
     engine = RolloutEngine(shard_model(tiny_model(seed=3, **MODEL), mesh), cfg, mesh=mesh)
     cache, _ = engine._init()
-    # [D, layers, P / D, page, K, H]: pages split over data, the 4 KV heads over tensor 4.
+    # [D, layers, P / D, page, K * H]: pages split over data, the 4 KV heads over tensor 4.
     assert cache.k_pages.shape[:3] == (2, 2, cfg.pool_pages // 2)
     assert tuple(cache.k_pages.sharding.spec)[:5] == ("data", None, None, None, "tensor")
     shard = cache.k_pages.addressable_shards[0].data
-    assert shard.shape == (1, 2, cfg.pool_pages // 2, 4, 1, 12)  # one shard, one KV head
+    assert shard.shape == (1, 2, cfg.pool_pages // 2, 4, 12)  # one shard, one KV head
     # Each shard's free stack holds only its own page ids.
     assert np.asarray(cache.free_stack).max() == cfg.pool_pages // 2 - 1
 

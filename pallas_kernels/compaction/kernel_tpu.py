@@ -1,16 +1,19 @@
 """Compaction (gather kept tokens to the slot's front pages) as a Mosaic TPU Pallas kernel.
 
-The pool stays in HBM (`memory_space=ANY`, aliased to the output); the new lengths and the
-flattened page table and kept indices are scalar-prefetched into SMEM. One program per (row, kv
-head) walks j upwards and issues a synchronous HBM->HBM DMA of token `keep[j]` to slot j; kept
-indices increase, so a token is read before it can be overwritten. A production version would
-batch the copies into runs of contiguous tokens; this one is the simple, obviously ordered form.
+The pool stays in HBM (`memory_space=ANY`, aliased to the output) in the lane-dense layout the
+rollout cache stores, `[P, L, C]` with `C = K * F` (F: H for K/V, 1 for H2O's mass); the new
+lengths and the flattened page table and kept indices are scalar-prefetched into SMEM. Mosaic
+tiles the last two dims of an HBM ref and a DMA may only start on a tile boundary there, so a
+token row cannot be copied on its own: every DMA moves a whole page `[L, C]`. One program per
+row walks its destination pages upwards; for each it reads the page, then for each (head, slot)
+reads the source token's page (only when it differs from the last one read: one head's sources
+rise), picks the token's row and the head's lanes by masks (on the values' bits, so every dtype
+is copied exactly), and writes the page back once. Kept indices increase, so the sources of
+destination page d lie in pages >= d: none is overwritten before it is read. Slots past the row's
+new length keep what they held.
 
-Mosaic tiles the last two dims of an HBM ref and a DMA may only start on a tile boundary there,
-so the pool is viewed as `[P, L, K, 1, F]` (F the trailing dims, H for K/V, 1 for H2O's mass):
-page, offset and head are then untiled leading dims. On TPU that view is a relayout of the pool
-in and out of the kernel (XLA inserts the copies); storing the pools in the kernel's layout would
-remove them.
+A `[P, L, K, F]` pool is accepted too but relaid out on TPU (its (K, F) minor dims are tiled
+otherwise); the cache never passes one.
 
 Supported when compiled (`unsupported_reason`): any page size, head dim and dtype (bf16, fp32,
 int32 checked by AOT compiles for v5e / v5p / v6e), as long as the SMEM tables
@@ -23,6 +26,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Int, Shaped
@@ -38,20 +42,70 @@ def unsupported_reason(batch: int, max_pages: int, kv_heads: int, keep_len: int)
     return None
 
 
+def _bits(x: jax.Array) -> jax.Array:
+    """int32 bits of a block (floats through fp32, which holds bf16 exactly)."""
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return x.astype(jnp.int32)
+
+
+def _from_bits(x: jax.Array, dtype) -> jax.Array:
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jax.lax.bitcast_convert_type(x, jnp.float32).astype(dtype)
+    return x.astype(dtype)
+
+
 def _kernel(
-    len_ref, pt_ref, keep_ref, pages_in_ref, o_ref, *, page_size, num_heads, max_pages, keep_len
+    len_ref,
+    pt_ref,
+    keep_ref,
+    pages_in_ref,
+    o_ref,
+    src_ref,
+    dst_ref,
+    *,
+    page_size,
+    num_heads,
+    max_pages,
+    keep_len,
 ):
     del pages_in_ref  # aliased to o_ref
-    b, kh = pl.program_id(0), pl.program_id(1)
+    b = pl.program_id(0)
+    n = len_ref[b]
+    shape = dst_ref.shape  # [L, C]
+    slot = jax.lax.broadcasted_iota(jnp.int32, shape, 0)
+    head = jax.lax.broadcasted_iota(jnp.int32, shape, 1) // (shape[1] // num_heads)
 
-    def body(j, carry):
-        src = keep_ref[(b * num_heads + kh) * keep_len + j]
-        src_page, src_off = pt_ref[b * max_pages + src // page_size], src % page_size
-        dst_page, dst_off = pt_ref[b * max_pages + j // page_size], j % page_size
-        pltpu.sync_copy(o_ref.at[src_page, src_off, kh], o_ref.at[dst_page, dst_off, kh])
+    def page(d, carry):
+        dst = pt_ref[b * max_pages + d]
+        pltpu.sync_copy(o_ref.at[dst], dst_ref)
+        acc = _bits(dst_ref[...])
+
+        def token(t, state):
+            acc, last = state
+            k, i = t // page_size, t % page_size  # head-major: each head's sources rise
+            j = d * page_size + i
+            live = j < n
+            src = keep_ref[(b * num_heads + k) * keep_len + jnp.minimum(j, keep_len - 1)]
+            col = jnp.clip(src // page_size, 0, max_pages - 1)
+            src_page = jnp.maximum(pt_ref[b * max_pages + col], 0)
+
+            @pl.when(live & (src_page != last))
+            def _read():
+                pltpu.sync_copy(o_ref.at[src_page], src_ref)
+
+            row = jnp.sum(
+                jnp.where(slot == src % page_size, _bits(src_ref[...]), 0), axis=0, keepdims=True
+            )
+            acc = jnp.where((slot == i) & (head == k) & live, row, acc)
+            return acc, jnp.where(live, src_page, last)
+
+        acc, _ = jax.lax.fori_loop(0, num_heads * page_size, token, (acc, jnp.int32(-1)))
+        dst_ref[...] = _from_bits(acc, dst_ref.dtype)
+        pltpu.sync_copy(dst_ref, o_ref.at[dst])
         return carry
 
-    jax.lax.fori_loop(0, len_ref[b], body, 0)
+    jax.lax.fori_loop(0, (n + page_size - 1) // page_size, page, 0)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -69,15 +123,14 @@ def compact_pages_tpu(
     """
     p, page_size = pages.shape[:2]
     kh = keep_bks.shape[1]
-    # [P, L, K, 1, F] from either layout: the kv head is a leading (untiled) dim, so a DMA may
-    # start at any head.
-    flat = pages.reshape(p, page_size, kh, 1, -1)
+    flat = pages.reshape(p, page_size, -1)  # lane-dense: [P, L, K * F]
     b = keep_bks.shape[0]
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(b, kh),
+        grid=(b,),
         in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=pl.BlockSpec(memory_space=pl.ANY),
+        scratch_shapes=[pltpu.VMEM(flat.shape[1:], flat.dtype)] * 2,
     )
     out = pl.pallas_call(
         functools.partial(
@@ -91,6 +144,6 @@ def compact_pages_tpu(
         out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype),
         input_output_aliases={3: 0},
         interpret=interpret,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
     )(new_len_b, page_table_bm.reshape(-1), keep_bks.reshape(-1), flat)
     return out.reshape(pages.shape)

@@ -148,18 +148,22 @@ def paged_decode_attention_xla_bucketed(
     static sizes (multiples of M / buckets) that covers the longest row. Keys past a row's length
     get exactly zero weight in the reference, so dropping columns that hold none changes nothing
     but the work: a dense rollout attends over its current length, not its final one.
-    `lax.switch` picks the size at run time; every branch has static shapes and slices the
-    layer itself (a sliced pool passed as a branch operand would be copied every step).
+    `lax.switch` picks the size at run time; every branch has static shapes and reads the
+    layer's pages itself (a sliced pool passed as a branch operand would be copied every step).
     Probabilities are zero-padded back to `M * L` keys.
     """
     b, m = page_table_bm.shape
-    pl = k_pool.shape[2]
+    y, p, pl = k_pool.shape[:3]
     sizes = sorted({max(1, cdiv(m * i, buckets)) for i in range(1, buckets + 1)})
 
     def branch(mi):
         def attend(q, kp, vp, pt, lens):
+            # The stacked pool as Y * P pages and the table shifted to the layer's: gathers
+            # read the layer's pages without a slice of it.
+            kp, vp = (x.reshape((y * p,) + x.shape[2:]) for x in (kp, vp))
+            pt = jnp.where(pt[:, :mi] >= 0, pt[:, :mi] + layer * p, -1)
             out, probs = paged_decode_attention_reference(
-                q, kp[layer], vp[layer], pt[:, :mi], lens, return_probs=return_probs
+                q, kp, vp, pt, lens, return_probs=return_probs
             )
             if probs is not None:
                 probs = jnp.pad(probs, ((0, 0), (0, 0), (0, (m - mi) * pl)))

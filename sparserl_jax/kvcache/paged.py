@@ -70,7 +70,7 @@ class PagedKVCache:
     free_top: jax.Array  # int32 []
     steps: jax.Array  # int32 []: decode calls so far (one per `end_step`), batch-level
     peak_pages: jax.Array  # int32 []: most pages ever in use at once
-    q_window: jax.Array | None  # [layers, B, w, N, H] or None
+    q_window: jax.Array | None  # [layers, B, w, N * H] (lane-dense like the pools) or None
     attn_mass: jax.Array | None  # fp32 [layers, P, L, K] or None
     evict_pos: jax.Array | None = None  # int32 [Y', B, K', T] (`kvcache.evictions`) or None
     kv_heads: int = dataclasses.field(default=1, metadata=_STATIC)  # K of the pools
@@ -118,7 +118,7 @@ class PagedKVCache:
         zeros_b = jnp.zeros((batch,), jnp.int32)
         q_window = None
         if window > 0:
-            q_window = jnp.zeros((num_layers, batch, window, num_heads, head_dim), dtype)
+            q_window = jnp.zeros((num_layers, batch, window, num_heads * head_dim), dtype)
         attn_mass = None
         if track_attention_mass:
             attn_mass = jnp.zeros(pool[:-1] + (num_kv_heads,), jnp.float32)
@@ -295,7 +295,15 @@ class PagedKVCache:
                 kernel = decode_kernel(
                     which, interpret=interpret, return_probs=want_probs, mesh=self.mesh
                 )
-                return lambda q, kp, vp, pt, lens: kernel(q, kp[layer], vp[layer], pt, lens)
+
+                def run(q, kp, vp, pt, lens):
+                    # The stacked pool as one pool of Y * P pages (a free reshape of the
+                    # lane-dense layout) with the table shifted to the layer's pages: a slice
+                    # `kp[layer]` would be copied out of the pool for the kernel.
+                    (k_flat, table), (v_flat, _) = (layer_pages(x, pt, layer) for x in (kp, vp))
+                    return kernel(q, k_flat, v_flat, table, lens)
+
+                return run
 
             args = (q_btnh[:, 0], k_pages, v_pages, self.page_table, kv_len_b)
             out_bnh, probs_bns = by_platform(choose, build, args, mesh=self.mesh)
@@ -303,11 +311,14 @@ class PagedKVCache:
             probs_btns = None if probs_bns is None else probs_bns[:, None]
         else:
             # Prefill (several tokens per row) runs on the XLA path; the kernels cover decode.
+            (k_flat, table), (v_flat, _) = (
+                layer_pages(x, self.page_table, layer) for x in (k_pages, v_pages)
+            )
             out_btnh, probs_btns = paged_attention_reference(
                 q_btnh,
-                k_pages[layer],
-                v_pages[layer],
-                self.page_table,
+                k_flat,
+                v_flat,
+                table,
                 idx_bt,
                 kv_len_b,
                 return_probs=want_probs,
@@ -341,7 +352,7 @@ class PagedKVCache:
         rows_bt = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, t))
         # One scatter into the stacked window (as `attend` stores K/V), updated in place.
         qw = self.q_window.at[layer, rows_bt, ring_bt].set(
-            q_btnh.astype(self.q_window.dtype), mode="drop"
+            q_btnh.reshape(b, t, -1).astype(self.q_window.dtype), mode="drop"
         )
         return dataclasses.replace(self, q_window=qw)
 
@@ -368,19 +379,19 @@ class PagedKVCache:
         w = self.window
         i_w = jnp.arange(w, dtype=jnp.int32)
         ring_bw = (self.next_pos_b[:, None] - w + i_w[None, :]) % w
-        qw_bwnh = jnp.take_along_axis(self.q_window[layer], ring_bw[:, :, None, None], axis=1)
+        qw_bwc = jnp.take_along_axis(self.q_window[layer], ring_bw[:, :, None], axis=1)
+        qw_bwnh = qw_bwc.reshape(qw_bwc.shape[:2] + (-1, self.head_dim))
         return qw_bwnh, jnp.minimum(self.next_pos_b, w)
 
 
 def layer_pages(
     pool_yp: Float[Array, "Y P L ..."], page_table_bm: Int[Array, "B M"], layer: int
 ) -> tuple[Float[Array, "YP L ..."], Int[Array, "B M"]]:
-    """Layer `layer` of a stacked pool as an in-place op updates it without slicing it out:
-    the pool seen as one pool of `Y * P` pages (a free reshape) and the page table shifted to
-    the layer's pages (-1 stays -1). Compacting a slice `pool[layer]` updates a copy, and
-    stacking the layers back builds a new pool. (Read-only kernels keep `pool[layer]`: on TPU
-    the Mosaic kernels read the pool as `[P, L, K * H]`, so a flat view of every layer would be
-    relaid out whole, where a slice is relaid out one layer at a time.)"""
+    """Layer `layer` of a stacked pool as an op reads or updates it without slicing it out:
+    the pool seen as one pool of `Y * P` pages (a free reshape, the lane-dense layout's leading
+    dims) and the page table shifted to the layer's pages (-1 stays -1). A slice `pool[layer]`
+    given to a kernel or an in-place update is a copy of the layer (and stacking the layers
+    back builds a new pool)."""
     y, p = pool_yp.shape[:2]
     flat = pool_yp.reshape((y * p,) + pool_yp.shape[2:])
     return flat, jnp.where(page_table_bm >= 0, page_table_bm + layer * p, -1)

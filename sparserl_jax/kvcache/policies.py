@@ -32,7 +32,7 @@ from jaxtyping import Array, Bool, Float, Int
 from pallas_kernels import window_scores
 from pallas_kernels.paged_attention.reference import gather_pages
 from sparserl_jax.kvcache.config import CompressionConfig
-from sparserl_jax.kvcache.paged import PagedKVCache
+from sparserl_jax.kvcache.paged import PagedKVCache, layer_pages
 
 
 def candidate_mask(lengths_b: Int[Array, " B"], s: int, window: int) -> Bool[Array, "B S"]:
@@ -69,10 +69,12 @@ def snapkv_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array
     out = []
     for layer in range(cache.k_pages.shape[0]):
         qw_bwnh, nq_b = cache.window_queries(layer)
+        # The whole stacked pool with the layer's page table (`layer_pages`: no slice copied).
+        k_flat, table = layer_pages(cache.k_pages, cache.page_table, layer)
         a_bks = window_scores(
             qw_bwnh,
-            cache.k_pages[layer],
-            cache.page_table,
+            k_flat,
+            table,
             cache.lengths_b,
             nq_b,
             impl=cache.impl,

@@ -11,6 +11,7 @@ kernel) -- or none, for shapes that dispatch sends to XLA. They need libtpu (the
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -89,14 +90,22 @@ def test_window_scores_compiles_with_mosaic(device, shape, window):
 
 
 @pytest.mark.parametrize(
-    "pool", [(128, 8, (128,), jnp.bfloat16), (16, 2, (64,), jnp.bfloat16), (32, 2, (), jnp.float32)]
+    "pool",
+    [
+        (128, 8, (128,), jnp.bfloat16, False),
+        (16, 2, (64,), jnp.bfloat16, True),  # the rollout cache's lane-dense [P, L, K * H]
+        (16, 8, (128,), jnp.bfloat16, True),
+        (32, 2, (), jnp.float32, False),
+        (16, 2, (), jnp.int32, False),
+    ],
 )
 def test_compaction_compiles_with_mosaic(device, pool):
-    pl_, k, rest, dtype = pool
+    pl_, k, rest, dtype, lane_dense = pool
+    shape = (P, pl_, k * math.prod(rest)) if lane_dense else (P, pl_, k, *rest)
     text = _compiled_text(
         device,
         compact_pages,
-        ((P, pl_, k, *rest), dtype),
+        (shape, dtype),
         ((B, M), jnp.int32),
         ((B, k, M * pl_ // 4), jnp.int32),
         ((B,), jnp.int32),

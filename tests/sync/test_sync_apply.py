@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
+from jax.sharding import AxisType, Mesh, NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from sparserl_jax.compiles import CompileCount
@@ -19,7 +19,7 @@ from sparserl_jax.sync import (
     decode,
     to_bits,
 )
-from sparserl_jax.sync.receiver import scatter_changes, scatter_chunk
+from sparserl_jax.sync.receiver import _scatter_first, scatter_changes, scatter_chunk
 from sparserl_jax.testing.sync import np_digest, random_bits, uint
 
 DTYPES = {"bfloat16": 2, "float32": 4, "int8": 1, "bool": 1}
@@ -183,3 +183,42 @@ def test_many_sharded_leaves_apply_without_a_collective_deadlock(verify):
     for name, sent in zip(pub.names, jax.tree.leaves(pub.sent_bits), strict=True):
         np.testing.assert_array_equal(np.asarray(to_bits(rc.arrays[name], None)), sent)
     assert rc.version == 1 and rc.state_digest == pub.state_digest
+
+
+@pytest.mark.parametrize("spec", [P(None, "tensor"), P("tensor", None), P(("data", "tensor"))])
+def test_a_patch_applies_to_sharded_leaves_without_gathering_them(spec):
+    """A sampler's weights split over `tensor` (a non-leading axis included): the scatter of a
+    patch runs where each shard lives. Its compiled program holds no all-gather (only
+    all-reduces of one chunk's old values and digest terms), and the bits equal the trainer's."""
+    mesh = jax.make_mesh((2, 4), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    sharding = NamedSharding(mesh, spec)
+    rng = np.random.default_rng(1)
+    master = {"w": rng.standard_normal((64, 256)).astype(np.float32)}
+    tr = InProcessTransport()
+    pub = Publisher(tr)
+    pub.publish(master)
+    master["w"][rng.random((64, 256)) < 0.05] *= 1.5
+    pub.publish(master)
+    rc = Receiver(lambda n, s: sharding, verify="touched")
+    rc.sync(tr, target=1)
+    held = rc.arrays[pub.names[0]]
+    assert held.sharding == sharding
+    np.testing.assert_array_equal(
+        np.asarray(to_bits(held, None)), jax.tree.leaves(pub.sent_bits)[0]
+    )
+    flat = np.arange(0, held.size, 7, dtype=np.uint32)[:512]
+    for digest in (False, True):
+        text = (
+            _scatter_first.lower(
+                held,
+                flat,
+                np.ones(512, np.uint16),
+                np.bool_(False),
+                np.zeros(2, np.uint32),
+                sharding=sharding,
+                digest=digest,
+            )
+            .compile()
+            .as_text()
+        )
+        assert "all-gather" not in text and "all-to-all" not in text

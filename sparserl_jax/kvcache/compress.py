@@ -21,7 +21,7 @@ from sparserl_jax.kvcache import allocator
 from sparserl_jax.kvcache.config import CompressionConfig
 from sparserl_jax.kvcache.evictions import record_evictions
 from sparserl_jax.kvcache.paged import PagedKVCache, cdiv_arr, layer_pages
-from sparserl_jax.kvcache.policies import policy_scores, select_tokens
+from sparserl_jax.kvcache.policies import layer_scores, select_tokens
 
 
 def should_compress(cache: PagedKVCache, config: CompressionConfig) -> Bool[Array, " B"]:
@@ -53,26 +53,43 @@ def compress(
 def compress_rows(
     cache: PagedKVCache, config: CompressionConfig, rows_b: Bool[Array, " B"]
 ) -> PagedKVCache:
-    """Compress exactly the rows in `rows_b` (each must hold more than `budget` tokens)."""
-    keep_ybkj = select_tokens(policy_scores(cache, config), cache.lengths_b, config)
+    """Compress exactly the rows in `rows_b` (each must hold more than `budget` tokens).
+
+    Layer by layer: score the layer on the pools as the previous layer's compaction left them
+    (which orders the work, so the temporaries are one layer's scores and selection, not every
+    layer's), select, compact its K, V (and mass) in place. Per sequence one selection, from the
+    scores summed over layers, serves every layer."""
     new_len_b = jnp.where(rows_b, config.budget, cache.lengths_b)
     # Rows not compressed write nothing (compaction writes only j < its new length).
     write_len_b = jnp.where(rows_b, config.budget, 0)
+    layers = cache.k_pages.shape[0]
 
-    def compact(pool):
-        # Every layer's compaction runs on the whole pool (`layer_pages`: no slice of it), so
-        # each call updates the pool in place (the kernel aliases it), where compacting
-        # `pool[y]` and stacking the layers would build a new pool.
-        for y in range(pool.shape[0]):
-            flat, table = layer_pages(pool, cache.page_table, y)
-            flat = compact_pages(
-                flat, table, keep_ybkj[y], write_len_b, impl=cache.impl, mesh=cache.mesh
-            )
-            pool = flat.reshape(pool.shape)
-        return pool
+    def select(scores_bks):
+        return select_tokens(scores_bks[None], cache.lengths_b, config)[0]
 
-    k_pages, v_pages = compact(cache.k_pages), compact(cache.v_pages)
-    attn_mass = None if cache.attn_mass is None else compact(cache.attn_mass)
+    shared = None
+    if config.granularity == "sequence":
+        shared = select(sum(layer_scores(cache, config, y) for y in range(layers)))
+
+    def compact(pool, y, keep_bkj):
+        # The layer's pages through the whole pool (`layer_pages`: no slice of it), so the call
+        # updates the pool in place (the kernel aliases it); compacting `pool[y]` and stacking
+        # the layers would build a new pool.
+        flat, table = layer_pages(pool, cache.page_table, y)
+        flat = compact_pages(flat, table, keep_bkj, write_len_b, impl=cache.impl, mesh=cache.mesh)
+        return flat.reshape(pool.shape)
+
+    keeps = []
+    for y in range(layers):
+        keep_bkj = shared if shared is not None else select(layer_scores(cache, config, y))
+        cache = dataclasses.replace(
+            cache,
+            k_pages=compact(cache.k_pages, y, keep_bkj),
+            v_pages=compact(cache.v_pages, y, keep_bkj),
+            attn_mass=None if cache.attn_mass is None else compact(cache.attn_mass, y, keep_bkj),
+        )
+        keeps.append(keep_bkj)
+    keep_ybkj = shared[None] if shared is not None else jnp.stack(keeps)
     evict_pos = cache.evict_pos
     if evict_pos is not None:
         evict_pos = record_evictions(evict_pos, keep_ybkj, cache.next_pos_b, rows_b)
@@ -85,9 +102,6 @@ def compress_rows(
     )
     return dataclasses.replace(
         cache,
-        k_pages=k_pages,
-        v_pages=v_pages,
-        attn_mass=attn_mass,
         evict_pos=evict_pos,
         page_table=page_table,
         num_pages_b=num_pages_b,

@@ -1,6 +1,6 @@
 """Token scores of the four compression policies, and the top-k selection they share.
 
-Every policy returns a score per kept token `[layers, B, K, S]` (higher = keep); `select_tokens`
+Every policy scores each kept token of one layer, `[B, K, S]` (higher = keep); `select_tokens`
 turns scores into the kept indices: the top (B − w) candidates by score plus the w most recent
 tokens, sorted by position (Sparse-RL / R-KV). Candidates are the tokens before the window.
 
@@ -52,45 +52,37 @@ def max_pool_1d(
     return jnp.where(valid_bs[:, None, :], pooled, 0.0)
 
 
-def streaming_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array, "Y B K S"]:
-    """Sinks rank above everything, then tokens rank by recency."""
-    layers, s = cache.k_pages.shape[0], cache.capacity
-    kh = cache.kv_heads
+def streaming_scores(cache: PagedKVCache, config: CompressionConfig, layer: int):
+    """Sinks rank above everything, then tokens rank by recency. `[B, K, S]`, as every scorer:
+    one layer's scores."""
+    del layer
+    s = cache.capacity
     j = jnp.arange(s, dtype=jnp.float32)
     score_s = jnp.where(j < config.sink_tokens, 2.0 * s, j)
-    return jnp.broadcast_to(score_s, (layers, cache.page_table.shape[0], kh, s))
+    return jnp.broadcast_to(score_s, (cache.page_table.shape[0], cache.kv_heads, s))
 
 
-def snapkv_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array, "Y B K S"]:
-    """Pooled window attention per layer (needs the recorded query window)."""
+def snapkv_scores(cache: PagedKVCache, config: CompressionConfig, layer: int):
+    """Pooled window attention (needs the recorded query window)."""
     if cache.q_window is None:
         raise ValueError("snapkv/rkv scoring needs a cache created with window > 0")
     valid_bs = candidate_mask(cache.lengths_b, cache.capacity, config.window)
-    out = []
-    for layer in range(cache.k_pages.shape[0]):
-        qw_bwnh, nq_b = cache.window_queries(layer)
-        # The whole stacked pool with the layer's page table (`layer_pages`: no slice copied).
-        k_flat, table = layer_pages(cache.k_pages, cache.page_table, layer)
-        a_bks = window_scores(
-            qw_bwnh,
-            k_flat,
-            table,
-            cache.lengths_b,
-            nq_b,
-            impl=cache.impl,
-            mesh=cache.mesh,
-        )
-        out.append(max_pool_1d(a_bks, valid_bs, config.kernel_size))
-    return jnp.stack(out)
+    qw_bwnh, nq_b = cache.window_queries(layer)
+    # The whole stacked pool with the layer's page table (`layer_pages`: no slice copied).
+    k_flat, table = layer_pages(cache.k_pages, cache.page_table, layer)
+    a_bks = window_scores(
+        qw_bwnh, k_flat, table, cache.lengths_b, nq_b, impl=cache.impl, mesh=cache.mesh
+    )
+    return max_pool_1d(a_bks, valid_bs, config.kernel_size)
 
 
-def h2o_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array, "Y B K S"]:
+def h2o_scores(cache: PagedKVCache, config: CompressionConfig, layer: int):
     """Accumulated attention mass per stored key, read through the page table."""
     del config
     if cache.attn_mass is None:
         raise ValueError("h2o scoring needs a cache created with track_attention_mass=True")
-    mass = jax.vmap(gather_pages, in_axes=(0, None))(cache.attn_mass, cache.page_table)
-    return jnp.transpose(mass, (0, 1, 3, 2))  # [layers, B, S, K] -> [layers, B, K, S]
+    mass_bsk = gather_pages(*layer_pages(cache.attn_mass, cache.page_table, layer))
+    return jnp.transpose(mass_bsk, (0, 2, 1))
 
 
 def redundancy_scores(
@@ -126,48 +118,50 @@ REDUNDANCY_BLOCK = 8
 
 
 def rkv_redundancy(
-    cache: PagedKVCache, valid_bs: Bool[Array, "B S"], config: CompressionConfig, *, block: int
-) -> Float[Array, "Y B K S"]:
-    """`redundancy_scores` of every layer, `block` slots at a time, each block's keys read
-    from the pool through its page table (no `[B, S, K, H]` copy of a layer's keys)."""
+    cache: PagedKVCache,
+    valid_bs: Bool[Array, "B S"],
+    config: CompressionConfig,
+    layer: int,
+    *,
+    block: int,
+) -> Float[Array, "B K S"]:
+    """`redundancy_scores` of one layer, `block` slots at a time, each block's keys read from
+    the pool through its page table (no `[B, S, K, H]` copy of the layer's keys)."""
     table_bm = jnp.maximum(cache.page_table, 0)
     b = table_bm.shape[0]
 
-    def layer_scores(layer: int):
-        def rows(args):
-            table_gm, valid_gs = args
-            k_gmlc = cache.k_pages[layer, table_gm]  # whole pages of token rows
-            k_gskh = k_gmlc.reshape(k_gmlc.shape[0], -1, cache.kv_heads, cache.head_dim)
-            return redundancy_scores(
-                k_gskh,
-                valid_gs,
-                threshold=config.rkv_sim_threshold,
-                retain_last=config.rkv_retain_last,
-            )
+    def rows(args):
+        table_gm, valid_gs = args
+        k_gmlc = cache.k_pages[layer, table_gm]  # whole pages of token rows
+        k_gskh = k_gmlc.reshape(k_gmlc.shape[0], -1, cache.kv_heads, cache.head_dim)
+        return redundancy_scores(
+            k_gskh,
+            valid_gs,
+            threshold=config.rkv_sim_threshold,
+            retain_last=config.rkv_retain_last,
+        )
 
-        # Blocks of `block` rows: [B // block, block, ...] mapped sequentially, the rest
-        # (B % block rows) in one more call.
-        full = b - b % block
-        out = []
-        if full:
-            blocked = jax.tree.map(
-                lambda x: x[:full].reshape((full // block, block) + x.shape[1:]),
-                (table_bm, valid_bs),
-            )
-            red = jax.lax.map(rows, blocked)
-            out.append(red.reshape((full,) + red.shape[2:]))
-        if b % block:
-            out.append(rows((table_bm[full:], valid_bs[full:])))
-        return out[0] if len(out) == 1 else jnp.concatenate(out)
-
-    return jnp.stack([layer_scores(layer) for layer in range(cache.k_pages.shape[0])])
+    # Blocks of `block` rows: [B // block, block, ...] mapped sequentially, the rest
+    # (B % block rows) in one more call.
+    full = b - b % block
+    out = []
+    if full:
+        blocked = jax.tree.map(
+            lambda x: x[:full].reshape((full // block, block) + x.shape[1:]),
+            (table_bm, valid_bs),
+        )
+        red = jax.lax.map(rows, blocked)
+        out.append(red.reshape((full,) + red.shape[2:]))
+    if b % block:
+        out.append(rows((table_bm[full:], valid_bs[full:])))
+    return out[0] if len(out) == 1 else jnp.concatenate(out)
 
 
-def rkv_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array, "Y B K S"]:
-    """`λ·importance − (1−λ)·redundancy` per layer and KV head."""
-    importance = snapkv_scores(cache, config)
+def rkv_scores(cache: PagedKVCache, config: CompressionConfig, layer: int):
+    """`λ·importance − (1−λ)·redundancy` per KV head."""
+    importance = snapkv_scores(cache, config, layer)
     valid_bs = candidate_mask(cache.lengths_b, cache.capacity, config.window)
-    red = rkv_redundancy(cache, valid_bs, config, block=REDUNDANCY_BLOCK)
+    red = rkv_redundancy(cache, valid_bs, config, layer, block=REDUNDANCY_BLOCK)
     lam = config.rkv_lambda
     return lam * importance - (1.0 - lam) * red
 
@@ -180,15 +174,22 @@ SCORERS = {
 }
 
 
-def policy_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array, "Y B K S"]:
-    """Scores `[layers, B, K, S]` of `config.policy`, reduced to its granularity (broadcast)."""
+def layer_scores(cache: PagedKVCache, config: CompressionConfig, layer: int):
+    """Layer `layer`'s scores `[B, K, S]` (fp32), summed over KV heads (broadcast) unless the
+    granularity is per head; per sequence the caller sums them over layers too."""
     if config.policy == "none":
         raise ValueError("policy 'none' has no scores")
-    scores = SCORERS[config.policy](cache, config).astype(jnp.float32)
-    if config.granularity == "layer":
-        scores = jnp.broadcast_to(jnp.sum(scores, axis=2, keepdims=True), scores.shape)
-    elif config.granularity == "sequence":
-        scores = jnp.broadcast_to(jnp.sum(scores, axis=(0, 2), keepdims=True), scores.shape)
+    scores = SCORERS[config.policy](cache, config, layer).astype(jnp.float32)
+    if config.granularity != "head":
+        scores = jnp.broadcast_to(jnp.sum(scores, axis=1, keepdims=True), scores.shape)
+    return scores
+
+
+def policy_scores(cache: PagedKVCache, config: CompressionConfig) -> Float[Array, "Y B K S"]:
+    """Scores `[layers, B, K, S]` of `config.policy`, reduced to its granularity (broadcast)."""
+    scores = jnp.stack([layer_scores(cache, config, y) for y in range(cache.k_pages.shape[0])])
+    if config.granularity == "sequence":
+        scores = jnp.broadcast_to(jnp.sum(scores, axis=0, keepdims=True), scores.shape)
     return scores
 
 

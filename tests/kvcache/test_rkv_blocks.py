@@ -37,7 +37,7 @@ def test_blocked_redundancy_equals_all_slots_at_once(block):
     )
     kv = CompressionConfig(policy="rkv", budget=6, window=2)
     valid_bs = candidate_mask(cache.lengths_b, cache.capacity, kv.window)
-    got = rkv_redundancy(cache, valid_bs, kv, block=block)
+    got = jnp.stack([rkv_redundancy(cache, valid_bs, kv, y, block=block) for y in range(layers)])
     want = jnp.stack(
         [
             redundancy_scores(

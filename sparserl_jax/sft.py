@@ -8,11 +8,15 @@ that is right some of the time, which RL then improves. `sparserl train` runs it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import json
 import re
+import shutil
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +25,7 @@ import optax
 from flax import nnx
 from jaxtyping import Array, Bool, Float, Int
 
+from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
 from sparserl_jax.data import DataConfig, sft_batch, sft_pairs
 from sparserl_jax.kvcache.evictions import NEVER
 from sparserl_jax.rl.config import decay_mask
@@ -155,6 +160,16 @@ def _step(params, opt_state, tokens_bt, mask_bt, evict_pos_bykt=None, *, graphde
     return optax.apply_updates(params, updates), opt_state, loss
 
 
+def progress_dir(run_dir: str | Path) -> Path:
+    """Where a run's SFT warm start keeps its progress until the run saves its step 0."""
+    return Path(run_dir) / "sft_progress"
+
+
+def drop_progress(run_dir: str | Path) -> None:
+    """Remove the warm start's progress: call once the run's step 0 (after it) is on disk."""
+    shutil.rmtree(progress_dir(run_dir), ignore_errors=True)
+
+
 def sft_warm_start(
     model: nnx.Module,
     cfg: SFTConfig,
@@ -163,10 +178,17 @@ def sft_warm_start(
     *,
     on_step: Callable[[int, float], None] | None = None,
     log: Callable[[str], None] | None = None,
+    checkpoint_dir: str | Path | None = None,
 ) -> list[float]:
     """Train `model` in place for `cfg.steps` steps on `data`'s reference completions; returns
     the loss of every step. Deterministic for a given config (batches come in a seeded order).
-    `log` gets a progress line (loss, seconds so far) after every tenth of the steps."""
+    `log` gets a progress line (loss, seconds so far) after every tenth of the steps.
+
+    `checkpoint_dir` (a run's `progress_dir`): where the warm start saves its progress after
+    every tenth of its steps (parameters, optimizer state, losses, the batch order and its RNG
+    states; Orbax, verified on restore) and resumes from when called again, bit for bit where
+    it stopped. The caller removes it once it has saved the result (`drop_progress`). A
+    checkpoint of another SFT config there is refused in one line."""
     if cfg.steps == 0:
         return []
     pairs = sft_pairs(data, cfg.num_examples)
@@ -191,8 +213,29 @@ def sft_warm_start(
     views = np.random.default_rng([cfg.seed, 2])  # which rows see through the window
     windowed = streaming_evict_pos(full.tokens_bt.shape[1], cfg.window, cfg.window_sinks)
     order = np.empty(0, np.int64)
-    losses, t0 = [], time.perf_counter()
-    for i in range(cfg.steps):
+    losses, t0, start = [], time.perf_counter(), 0
+    every = max(cfg.steps // 10, 1)
+    ckpt, fingerprint = None, json.loads(json.dumps(dataclasses.asdict(cfg)))
+    if checkpoint_dir is not None:
+        ckpt = CheckpointManager(checkpoint_dir, keep=1, async_save=False)
+        restored = ckpt.restore_latest({"params": params, "opt_state": opt_state})
+        if restored is not None:
+            (tree, meta), held = restored, restored[1]["config"]
+            if held != fingerprint:
+                diff = sorted(
+                    k for k in set(held) | set(fingerprint) if held.get(k) != fingerprint.get(k)
+                )
+                raise ValueError(
+                    f"{ckpt.directory} holds an SFT warm start of another config (differs in "
+                    f"{', '.join(diff)}): use another run_dir, or delete {Path(checkpoint_dir)}"
+                )
+            params, opt_state = tree["params"], tree["opt_state"]
+            start, losses = int(meta["step"]), [float(x) for x in meta["losses"]]
+            rng.bit_generator.state, views.bit_generator.state = meta["rng"], meta["views"]
+            order = np.asarray(meta["order"], np.int64)
+            if log is not None:
+                log(f"SFT resumed from {ckpt.directory} at step {start}/{cfg.steps}")
+    for i in range(start, cfg.steps):
         if len(order) < cfg.batch_size:
             order = np.concatenate([order, rng.permutation(len(pairs))])
         idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
@@ -213,9 +256,52 @@ def sft_warm_start(
         losses.append(float(loss))
         if on_step is not None:
             on_step(i + 1, losses[-1])
-        if log is not None and (i + 1) % max(cfg.steps // 10, 1) == 0 and i + 1 < cfg.steps:
-            dt = time.perf_counter() - t0
-            log(f"SFT step {i + 1}/{cfg.steps}: loss {losses[-1]:.3f}, {dt:.0f}s")
+        if (i + 1) % every == 0 and i + 1 < cfg.steps:
+            if ckpt is not None:
+                meta = {
+                    "losses": losses,
+                    "rng": rng.bit_generator.state,
+                    "views": views.bit_generator.state,
+                    "order": order.tolist(),
+                    "config": fingerprint,
+                }
+                ckpt.save(i + 1, {"params": params, "opt_state": opt_state}, meta)
+            if log is not None:
+                dt = time.perf_counter() - t0
+                log(f"SFT step {i + 1}/{cfg.steps}: loss {losses[-1]:.3f}, {dt:.0f}s")
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     return losses
+
+
+def run_warm_start(
+    model: nnx.Module,
+    cfg: SFTConfig,
+    data: DataConfig,
+    tokenizer,
+    run_dir: str | Path,
+    *,
+    log: Callable[[str], None],
+    guard: PreemptionGuard | None = None,
+) -> None:
+    """A run's SFT warm start (`cfg.steps` > 0), resumable from `progress_dir(run_dir)`, its
+    result logged in one line. With a `guard`, a stop signal ends it between two steps."""
+    t0 = time.perf_counter()
+
+    def mark(i: int, _) -> None:
+        if guard is not None:
+            guard.mark(f"sft:{i}", f"the SFT warm start ({i}/{cfg.steps} steps done)")
+
+    where = f"the SFT warm start (0/{cfg.steps} steps done)"
+    with guard.abortable("sft:0", where) if guard is not None else contextlib.nullcontext():
+        losses = sft_warm_start(
+            model,
+            cfg,
+            data,
+            tokenizer,
+            on_step=mark,
+            log=log,
+            checkpoint_dir=progress_dir(run_dir),
+        )
+    dt, a, b = time.perf_counter() - t0, losses[0], losses[-1]
+    log(f"SFT warm start: {cfg.steps} steps, loss {a:.3f} -> {b:.3f} in {dt:.1f}s")

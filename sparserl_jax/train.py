@@ -67,7 +67,7 @@ from sparserl_jax.sampler import (
     step_seeds,
     trainer_devices,
 )
-from sparserl_jax.sft import sft_warm_start
+from sparserl_jax.sft import drop_progress, run_warm_start
 from sparserl_jax.step import learn_step, rl_batch
 from sparserl_jax.sync import InProcessTransport, Publisher, new_run_id
 
@@ -251,22 +251,17 @@ def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
         log_fn(f"resumed from {ckpt.directory} at step {start_step}")
     else:
         if cfg.sft.steps:
-            t0 = time.perf_counter()
-
-            def sft_step(i: int, _) -> None:
-                guard.mark(f"sft:{i}", f"the SFT warm start ({i}/{cfg.sft.steps} steps done)")
-
-            with guard.abortable("sft:0", f"the SFT warm start (0/{cfg.sft.steps} steps done)"):
-                losses = sft_warm_start(
-                    model, cfg.sft, cfg.data, tokenizer, on_step=sft_step, log=log_fn
-                )
-            dt, a, b = time.perf_counter() - t0, losses[0], losses[-1]
-            log_fn(f"SFT warm start: {cfg.sft.steps} steps, loss {a:.3f} -> {b:.3f} in {dt:.1f}s")
+            run_warm_start(
+                model, cfg.sft, cfg.data, tokenizer, cfg.run_dir, log=log_fn, guard=guard
+            )
         state = learner.init(model)
         # Step 0 = after the warm start: a run killed later never repeats the SFT stage.
         ckpt.save(
             0, {"learner": state}, {"data_state": None, "sync_version": 0, "sync_run_id": run_id}
         )
+        if cfg.sft.steps:
+            ckpt.wait()
+            drop_progress(cfg.run_dir)  # step 0 holds the warm start now
         guard.mark("save:0", "the save of checkpoint step 0")
 
     # The sync's baseline is bf16(master), re-derived exactly from the restored master; the

@@ -1,8 +1,12 @@
 """The SFT warm start: its loss against a hand computation, answer corruption, and training."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from sparserl_jax.data import ArithmeticConfig, DataConfig
 from sparserl_jax.models.tokenizer import CharTokenizer
@@ -119,3 +123,44 @@ def test_warm_start_with_a_windowed_view_learns_and_differs():
     a = sft_warm_start(tiny_model(seed=1, vocab_size=tok.vocab_size), cfg, data, tok)
     assert np.mean(a[-3:]) < 0.7 * np.mean(a[:3]) and a != plain
     assert sft_warm_start(tiny_model(seed=1, vocab_size=tok.vocab_size), cfg, data, tok) == a
+
+
+def test_warm_start_resumes_bit_for_bit_from_its_progress(tmp_path):
+    """Cut off after step 7 (its last save at step 6), the warm start called again resumes from
+    step 6 and ends with the parameters and losses of an uninterrupted one; a progress
+    directory of another SFT config is refused in one line."""
+    data = DataConfig(arithmetic=ArithmeticConfig(max_digits=1, operators=("+",)))
+    cfg = SFTConfig(
+        steps=12,
+        batch_size=8,
+        num_examples=20,
+        max_len=64,
+        learning_rate=1e-2,
+        window_fraction=0.5,
+        window=6,
+        window_sinks=4,
+    )
+    tok = CharTokenizer()
+    whole = tiny_model(seed=1, vocab_size=tok.vocab_size)
+    want = sft_warm_start(whole, cfg, data, tok)
+
+    def stop_at_7(i, _):
+        if i == 7:
+            raise KeyboardInterrupt
+
+    cut = tiny_model(seed=1, vocab_size=tok.vocab_size)
+    with pytest.raises(KeyboardInterrupt):
+        sft_warm_start(cut, cfg, data, tok, on_step=stop_at_7, checkpoint_dir=tmp_path)
+    lines = []
+    resumed = tiny_model(seed=1, vocab_size=tok.vocab_size)
+    got = sft_warm_start(resumed, cfg, data, tok, log=lines.append, checkpoint_dir=tmp_path)
+    assert lines[0] == f"SFT resumed from {tmp_path / 'checkpoints'} at step 6/12"
+    assert got == want
+    leaves = (jax.tree.leaves(nnx.state(m)) for m in (resumed, whole))
+    for x, y in zip(*leaves, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    other = dataclasses.replace(cfg, learning_rate=2e-2)
+    with pytest.raises(ValueError, match=r"another config \(differs in learning_rate\)"):
+        sft_warm_start(
+            tiny_model(seed=1, vocab_size=tok.vocab_size), other, data, tok, checkpoint_dir=tmp_path
+        )

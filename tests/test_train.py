@@ -3,6 +3,7 @@ kill -9 continuing bit for bit."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -148,6 +149,42 @@ def test_kill9_then_resume_is_bit_identical(tmp_path):
     assert_trees_equal(jax.device_get(a), jax.device_get(b))
     assert meta_a["data_state"] == meta_b["data_state"]
     assert meta_a["sync_version"] == meta_b["sync_version"] == 8  # numbering survives a restart
+
+
+@pytest.mark.slow
+def test_kill9_during_the_sft_warm_start_resumes_it_bit_for_bit(tmp_path):
+    """Killed once the warm start has saved some progress, the same command resumes it from
+    there (not from step 0) and ends where an uninterrupted run ends; the progress is removed
+    once step 0 holds the warm start."""
+    env = child_env(tmp_path / "jax_cache")
+    common = ["train.steps=2", "train.save_every=2", "train.eval_examples=0", "sft.steps=60"]
+    full_dir, cut_dir = tmp_path / "full", tmp_path / "cut"
+    full = _run(full_dir, *common, env=env)
+    cut = _run(cut_dir, *common, env=env)
+    progress = cut_dir / "sft_progress" / "checkpoints"
+    deadline = time.time() + 600
+    while time.time() < deadline and not (
+        progress.is_dir() and any(p.name.isdigit() for p in progress.iterdir())
+    ):
+        assert cut.poll() is None, cut.communicate()[1][-3000:]
+        time.sleep(0.01)
+    cut.send_signal(signal.SIGKILL)
+    cut.wait()
+    assert not (cut_dir / "checkpoints").is_dir() or not any(
+        p.name.isdigit() for p in (cut_dir / "checkpoints").iterdir()
+    ), "killed after the warm start, not during it"
+    out, err = full.communicate(timeout=600)
+    assert full.returncode == 0, err[-3000:]
+    assert not (full_dir / "sft_progress").exists()
+
+    resumed = _run(cut_dir, *common, env=env)
+    out2, err2 = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err2[-3000:]
+    assert re.search(r"SFT resumed from .*sft_progress/checkpoints at step [1-9]\d*/60", err2)
+    assert not (cut_dir / "sft_progress").exists()
+    a, _ = _final_state(full_dir, 2)
+    b, _ = _final_state(cut_dir, 2)
+    assert_trees_equal(jax.device_get(a), jax.device_get(b))
 
 
 @pytest.mark.parametrize(

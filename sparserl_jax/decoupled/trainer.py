@@ -64,7 +64,7 @@ from sparserl_jax.metrics import (
 from sparserl_jax.parallel import make_mesh
 from sparserl_jax.rl import Learner
 from sparserl_jax.rollout import RolloutResult
-from sparserl_jax.sft import sft_warm_start
+from sparserl_jax.sft import drop_progress, run_warm_start
 from sparserl_jax.step import learn_step
 from sparserl_jax.sync import Publisher, new_run_id
 from sparserl_jax.train import check_config
@@ -99,11 +99,12 @@ def _restore(cfg: Config, learner: Learner, model, tokenizer, ckpt, log_fn):
             log_fn(f"resumed from {ckpt.directory} at step {restored[1]['step']}")
             return restored[0]["learner"], restored[1]
     if cfg.sft.steps:
-        losses = sft_warm_start(model, cfg.sft, cfg.data, tokenizer)
-        log_fn(f"SFT warm start: {cfg.sft.steps} steps, loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+        run_warm_start(model, cfg.sft, cfg.data, tokenizer, cfg.run_dir, log=log_fn)
     state = learner.init(model)
     meta = {"step": 0, "data_state": None, "sync_version": 0, "sync_run_id": new_run_id()}
     ckpt.save(0, {"learner": state}, meta)
+    ckpt.wait()
+    drop_progress(cfg.run_dir)  # step 0 holds the warm start now
     return state, meta
 
 

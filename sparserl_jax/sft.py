@@ -216,59 +216,60 @@ def sft_warm_start(
     losses, t0, start = [], time.perf_counter(), 0
     every = max(cfg.steps // 10, 1)
     ckpt, fingerprint = None, json.loads(json.dumps(dataclasses.asdict(cfg)))
-    if checkpoint_dir is not None:
-        ckpt = CheckpointManager(checkpoint_dir, keep=1, async_save=False)
-        restored = ckpt.restore_latest({"params": params, "opt_state": opt_state})
-        if restored is not None:
-            (tree, meta), held = restored, restored[1]["config"]
-            if held != fingerprint:
-                diff = sorted(
-                    k for k in set(held) | set(fingerprint) if held.get(k) != fingerprint.get(k)
-                )
-                raise ValueError(
-                    f"{ckpt.directory} holds an SFT warm start of another config (differs in "
-                    f"{', '.join(diff)}): use another run_dir, or delete {Path(checkpoint_dir)}"
-                )
-            params, opt_state = tree["params"], tree["opt_state"]
-            start, losses = int(meta["step"]), [float(x) for x in meta["losses"]]
-            rng.bit_generator.state, views.bit_generator.state = meta["rng"], meta["views"]
-            order = np.asarray(meta["order"], np.int64)
-            if log is not None:
-                log(f"SFT resumed from {ckpt.directory} at step {start}/{cfg.steps}")
-    for i in range(start, cfg.steps):
-        if len(order) < cfg.batch_size:
-            order = np.concatenate([order, rng.permutation(len(pairs))])
-        idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
-        ev = None
-        if cfg.window_fraction:
-            rows = views.random(len(idx)) < cfg.window_fraction
-            ev = np.where(rows[:, None], windowed[None, :], NEVER)[:, None, None, :]
-            ev = jnp.asarray(ev.astype(np.int32))
-        params, opt_state, loss = _step(
-            params,
-            opt_state,
-            jnp.asarray(full.tokens_bt[idx]),
-            jnp.asarray(full.loss_mask_bt[idx]),
-            ev,
-            graphdef=graphdef,
-            tx=tx,
-        )
-        losses.append(float(loss))
-        if on_step is not None:
-            on_step(i + 1, losses[-1])
-        if (i + 1) % every == 0 and i + 1 < cfg.steps:
-            if ckpt is not None:
-                meta = {
-                    "losses": losses,
-                    "rng": rng.bit_generator.state,
-                    "views": views.bit_generator.state,
-                    "order": order.tolist(),
-                    "config": fingerprint,
-                }
-                ckpt.save(i + 1, {"params": params, "opt_state": opt_state}, meta)
-            if log is not None:
-                dt = time.perf_counter() - t0
-                log(f"SFT step {i + 1}/{cfg.steps}: loss {losses[-1]:.3f}, {dt:.0f}s")
+    with contextlib.ExitStack() as stack:  # the checkpoint manager is closed however it ends
+        if checkpoint_dir is not None:
+            ckpt = stack.enter_context(CheckpointManager(checkpoint_dir, keep=1, async_save=False))
+            restored = ckpt.restore_latest({"params": params, "opt_state": opt_state})
+            if restored is not None:
+                (tree, meta), held = restored, restored[1]["config"]
+                if held != fingerprint:
+                    diff = sorted(
+                        k for k in set(held) | set(fingerprint) if held.get(k) != fingerprint.get(k)
+                    )
+                    raise ValueError(
+                        f"{ckpt.directory} holds an SFT warm start of another config (differs in "
+                        f"{', '.join(diff)}): use another run_dir, or delete {Path(checkpoint_dir)}"
+                    )
+                params, opt_state = tree["params"], tree["opt_state"]
+                start, losses = int(meta["step"]), [float(x) for x in meta["losses"]]
+                rng.bit_generator.state, views.bit_generator.state = meta["rng"], meta["views"]
+                order = np.asarray(meta["order"], np.int64)
+                if log is not None:
+                    log(f"SFT resumed from {ckpt.directory} at step {start}/{cfg.steps}")
+        for i in range(start, cfg.steps):
+            if len(order) < cfg.batch_size:
+                order = np.concatenate([order, rng.permutation(len(pairs))])
+            idx, order = order[: cfg.batch_size], order[cfg.batch_size :]
+            ev = None
+            if cfg.window_fraction:
+                rows = views.random(len(idx)) < cfg.window_fraction
+                ev = np.where(rows[:, None], windowed[None, :], NEVER)[:, None, None, :]
+                ev = jnp.asarray(ev.astype(np.int32))
+            params, opt_state, loss = _step(
+                params,
+                opt_state,
+                jnp.asarray(full.tokens_bt[idx]),
+                jnp.asarray(full.loss_mask_bt[idx]),
+                ev,
+                graphdef=graphdef,
+                tx=tx,
+            )
+            losses.append(float(loss))
+            if on_step is not None:
+                on_step(i + 1, losses[-1])
+            if (i + 1) % every == 0 and i + 1 < cfg.steps:
+                if ckpt is not None:
+                    meta = {
+                        "losses": losses,
+                        "rng": rng.bit_generator.state,
+                        "views": views.bit_generator.state,
+                        "order": order.tolist(),
+                        "config": fingerprint,
+                    }
+                    ckpt.save(i + 1, {"params": params, "opt_state": opt_state}, meta)
+                if log is not None:
+                    dt = time.perf_counter() - t0
+                    log(f"SFT step {i + 1}/{cfg.steps}: loss {losses[-1]:.3f}, {dt:.0f}s")
     nnx.replace_by_pure_dict(state, params)
     nnx.update(model, state)
     return losses

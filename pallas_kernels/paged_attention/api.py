@@ -23,6 +23,7 @@ from pallas_kernels._dispatch import (
 )
 from pallas_kernels.paged_attention import kernel_gpu, kernel_tpu
 from pallas_kernels.paged_attention.reference import (
+    layer_pages,
     paged_decode_attention_reference,
     probs_from_logits,
 )
@@ -153,15 +154,13 @@ def paged_decode_attention_xla_bucketed(
     Probabilities are zero-padded back to `M * L` keys.
     """
     b, m = page_table_bm.shape
-    y, p, pl = k_pool.shape[:3]
+    pl = k_pool.shape[2]
     sizes = sorted({max(1, cdiv(m * i, buckets)) for i in range(1, buckets + 1)})
 
     def branch(mi):
         def attend(q, kp, vp, pt, lens):
-            # The stacked pool as Y * P pages and the table shifted to the layer's: gathers
-            # read the layer's pages without a slice of it.
-            kp, vp = (x.reshape((y * p,) + x.shape[2:]) for x in (kp, vp))
-            pt = jnp.where(pt[:, :mi] >= 0, pt[:, :mi] + layer * p, -1)
+            # The layer's pages read through the stacked pool (`layer_pages`: no slice of it).
+            (kp, pt), (vp, _) = (layer_pages(x, pt[:, :mi], layer) for x in (kp, vp))
             out, probs = paged_decode_attention_reference(
                 q, kp, vp, pt, lens, return_probs=return_probs
             )

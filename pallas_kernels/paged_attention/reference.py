@@ -25,6 +25,19 @@ def gather_pages(
     return gathered.reshape((b, m * pages_pl.shape[1]) + pages_pl.shape[2:])
 
 
+def layer_pages(
+    pool_yp: Float[Array, "Y P L ..."], page_table_bm: Int[Array, "B M"], layer: int
+) -> tuple[Float[Array, "YP L ..."], Int[Array, "B M"]]:
+    """Layer `layer` of a stacked pool as an op reads or updates it without slicing it out:
+    the pool seen as one pool of `Y * P` pages (a free reshape, the lane-dense layout's leading
+    dims) and the page table shifted to the layer's pages (-1 stays -1). A slice `pool[layer]`
+    given to a kernel or an in-place update is a copy of the layer (and stacking the layers
+    back builds a new pool)."""
+    y, p = pool_yp.shape[:2]
+    flat = pool_yp.reshape((y * p,) + pool_yp.shape[2:])
+    return flat, jnp.where(page_table_bm >= 0, page_table_bm + layer * p, -1)
+
+
 def paged_attention_reference(
     q_btnh: Float[Array, "B T N H"],
     k_pages: Float[Array, "P L K H"],
@@ -108,6 +121,7 @@ def probs_from_logits(
 
 __all__ = [
     "gather_pages",
+    "layer_pages",
     "paged_attention_reference",
     "paged_decode_attention_reference",
     "probs_from_logits",

@@ -17,10 +17,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool
 
 from pallas_kernels import compact_pages
+from pallas_kernels.paged_attention.reference import layer_pages
 from sparserl_jax.kvcache import allocator
 from sparserl_jax.kvcache.config import CompressionConfig
 from sparserl_jax.kvcache.evictions import record_evictions
-from sparserl_jax.kvcache.paged import PagedKVCache, cdiv_arr, layer_pages
+from sparserl_jax.kvcache.paged import PagedKVCache, cdiv_arr
 from sparserl_jax.kvcache.policies import layer_scores, select_tokens
 
 
@@ -88,7 +89,8 @@ def compress_rows(
             v_pages=compact(cache.v_pages, y, keep_bkj),
             attn_mass=None if cache.attn_mass is None else compact(cache.attn_mass, y, keep_bkj),
         )
-        keeps.append(keep_bkj)
+        if shared is None:
+            keeps.append(keep_bkj)
     keep_ybkj = shared[None] if shared is not None else jnp.stack(keeps)
     evict_pos = cache.evict_pos
     if evict_pos is not None:

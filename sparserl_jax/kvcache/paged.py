@@ -45,7 +45,7 @@ from pallas_kernels.paged_attention.api import (
     decode_kernel,
     paged_decode_attention_xla_bucketed,
 )
-from pallas_kernels.paged_attention.reference import paged_attention_reference
+from pallas_kernels.paged_attention.reference import layer_pages, paged_attention_reference
 from sparserl_jax.kvcache import allocator, evictions
 from sparserl_jax.kvcache.config import cdiv
 
@@ -278,7 +278,8 @@ class PagedKVCache:
         if t == 1:
             # Decode per target platform (`by_platform`): the kernel when it compiles for these
             # shapes, else XLA (logged once), bounded by the longest row's pages rather than
-            # the table's capacity. Both slice the layer inside their branch.
+            # the table's capacity. Both read the layer's pages through the stacked pool inside
+            # their branch (`layer_pages`).
             n = q_btnh.shape[2]
             shape = (self.num_pages, pl, self.kv_heads, self.head_dim)
 
@@ -382,19 +383,6 @@ class PagedKVCache:
         qw_bwc = jnp.take_along_axis(self.q_window[layer], ring_bw[:, :, None], axis=1)
         qw_bwnh = qw_bwc.reshape(qw_bwc.shape[:2] + (-1, self.head_dim))
         return qw_bwnh, jnp.minimum(self.next_pos_b, w)
-
-
-def layer_pages(
-    pool_yp: Float[Array, "Y P L ..."], page_table_bm: Int[Array, "B M"], layer: int
-) -> tuple[Float[Array, "YP L ..."], Int[Array, "B M"]]:
-    """Layer `layer` of a stacked pool as an op reads or updates it without slicing it out:
-    the pool seen as one pool of `Y * P` pages (a free reshape, the lane-dense layout's leading
-    dims) and the page table shifted to the layer's pages (-1 stays -1). A slice `pool[layer]`
-    given to a kernel or an in-place update is a copy of the layer (and stacking the layers
-    back builds a new pool)."""
-    y, p = pool_yp.shape[:2]
-    flat = pool_yp.reshape((y * p,) + pool_yp.shape[2:])
-    return flat, jnp.where(page_table_bm >= 0, page_table_bm + layer * p, -1)
 
 
 def cdiv_arr(a: jax.Array, b: int) -> jax.Array:

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import window_scores
-from pallas_kernels.paged_attention.reference import gather_pages
+from pallas_kernels.paged_attention.reference import gather_pages, layer_pages
 from sparserl_jax.kvcache.config import CompressionConfig
-from sparserl_jax.kvcache.paged import PagedKVCache, layer_pages
+from sparserl_jax.kvcache.paged import PagedKVCache
 
 
 def candidate_mask(lengths_b: Int[Array, " B"], s: int, window: int) -> Bool[Array, "B S"]:

@@ -54,13 +54,12 @@ def test_rkv_engine_compiles_on_one_chip(name):
 
 
 def _check_engine_kernels(chunk: dict) -> None:
-    """All three kernels in the R-KV decode chunk, one call per layer (K and V compacted apart):
-    SMALL has 2 layers."""
+    """All three kernels in the R-KV decode chunk: attention once per layer, window scoring and
+    compaction (K and V apart) in the compression's loop over layers (one call in its body)."""
     calls = chunk["mosaic_calls"]
-    layers = SMALL.num_layers
-    assert calls.get("paged_decode_attention_tpu", 0) >= layers, calls
-    assert calls.get("window_scores_tpu", 0) >= layers, calls
-    assert calls.get("compact_pages_tpu", 0) >= 2 * layers, calls
+    assert calls.get("paged_decode_attention_tpu", 0) >= SMALL.num_layers, calls
+    assert calls.get("window_scores_tpu", 0) >= 1, calls
+    assert calls.get("compact_pages_tpu", 0) >= 2, calls
 
 
 def test_rkv_engine_compiles_on_a_4_chip_v5p_mesh(v5p):

@@ -38,7 +38,7 @@ def compact_pages(
     def unsupported(which: Concrete) -> str | None:
         if which == "pallas_tpu":
             local = local_kv_heads(mesh, kh)
-            return kernel_tpu.unsupported_reason(b, page_table_bm.shape[1], local, j)
+            return kernel_tpu.unsupported_reason(page_table_bm.shape[1], local, j)
         return kernel_gpu.unsupported_reason(pool_dims(pages.shape, kv_heads=kh)[3])
 
     def build(which: Concrete, interpret: bool):

@@ -16,9 +16,10 @@ A `[P, L, K, F]` pool is accepted too but relaid out on TPU (its (K, F) minor di
 otherwise); the cache never passes one.
 
 Supported when compiled (`unsupported_reason`): any page size, head dim and dtype (bf16, fp32,
-int32 checked by AOT compiles for v5e / v5p / v6e), as long as the SMEM tables
-(B * (M + 1 + K * J) int32) fit `SMEM_BUDGET_BYTES`; larger ones go to XLA. Any shape runs in
-interpret mode (CPU tests).
+int32 checked by AOT compiles for v5e / v5p / v6e). The SMEM tables take M + 1 + K * J int32
+per row: a batch whose tables exceed `SMEM_BUDGET_BYTES` is compacted in blocks of rows, one call
+per block on the same (aliased) pool, since rows never touch each other's pages; only a single
+row too large for SMEM goes to XLA. Any shape runs in interpret mode (CPU tests).
 """
 
 from __future__ import annotations
@@ -34,11 +35,19 @@ from jaxtyping import Array, Int, Shaped
 from pallas_kernels.paged_attention.kernel_tpu import SMEM_BUDGET_BYTES
 
 
-def unsupported_reason(batch: int, max_pages: int, kv_heads: int, keep_len: int) -> str | None:
-    """Why Mosaic cannot compile the kernel (SMEM tables too large), or None if it can."""
-    words = batch * (max_pages + 1 + kv_heads * keep_len)
-    if 4 * words > SMEM_BUDGET_BYTES:
-        return f"scalar tables of {4 * words} bytes exceed SMEM_BUDGET_BYTES={SMEM_BUDGET_BYTES}"
+def rows_per_call(max_pages: int, kv_heads: int, keep_len: int) -> int:
+    """How many rows' scalar tables fit `SMEM_BUDGET_BYTES` (0: not even one)."""
+    return SMEM_BUDGET_BYTES // (4 * (max_pages + 1 + kv_heads * keep_len))
+
+
+def unsupported_reason(max_pages: int, kv_heads: int, keep_len: int) -> str | None:
+    """Why Mosaic cannot compile the kernel (one row's SMEM tables too large), or None."""
+    if rows_per_call(max_pages, kv_heads, keep_len) < 1:
+        words = max_pages + 1 + kv_heads * keep_len
+        return (
+            f"one row's scalar tables ({4 * words} bytes) exceed "
+            f"SMEM_BUDGET_BYTES={SMEM_BUDGET_BYTES}"
+        )
     return None
 
 
@@ -108,7 +117,7 @@ def _kernel(
     jax.lax.fori_loop(0, (n + page_size - 1) // page_size, page, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@functools.partial(jax.jit, static_argnames=("interpret", "rows"))
 def compact_pages_tpu(
     pages: Shaped[Array, "P L K ..."],
     page_table_bm: Int[Array, "B M"],
@@ -116,11 +125,27 @@ def compact_pages_tpu(
     new_len_b: Int[Array, " B"],
     *,
     interpret: bool = False,
+    rows: int | None = None,
 ) -> Shaped[Array, "P L K ..."]:
     """The pool with each row's kept tokens moved to its front, in place (see `reference.py`).
 
     `interpret`: run in Pallas' HLO interpreter (any platform), as the api does off a TPU.
+    `rows`: rows per call (default: as many as SMEM holds, `rows_per_call`).
     """
+    b, kh, j = keep_bks.shape
+    rows = rows or rows_per_call(page_table_bm.shape[1], kh, j)
+    if rows < 1:
+        raise ValueError(unsupported_reason(page_table_bm.shape[1], kh, j))
+    for lo in range(0, b, rows):
+        hi = min(b, lo + rows)
+        pages = _compact_call(
+            pages, page_table_bm[lo:hi], keep_bks[lo:hi], new_len_b[lo:hi], interpret=interpret
+        )
+    return pages
+
+
+def _compact_call(pages, page_table_bm, keep_bks, new_len_b, *, interpret: bool):
+    """One `pallas_call` over all the given rows."""
     p, page_size = pages.shape[:2]
     kh = keep_bks.shape[1]
     flat = pages.reshape(p, page_size, -1)  # lane-dense: [P, L, K * F]

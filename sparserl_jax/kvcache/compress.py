@@ -56,10 +56,11 @@ def compress_rows(
 ) -> PagedKVCache:
     """Compress exactly the rows in `rows_b` (each must hold more than `budget` tokens).
 
-    Layer by layer: score the layer on the pools as the previous layer's compaction left them
-    (which orders the work, so the temporaries are one layer's scores and selection, not every
-    layer's), select, compact its K, V (and mass) in place. Per sequence one selection, from the
-    scores summed over layers, serves every layer."""
+    Layer by layer, in a loop over layers (`lax.fori_loop`: one layer's scoring is live at a
+    time, where unrolled XLA scheduled every layer's query preparation at once): score the layer
+    on the pools as the previous layer's compaction left them, select, compact its K, V (and
+    mass) in place. Per sequence one selection, from the scores summed over layers (in layer
+    order), serves every layer."""
     new_len_b = jnp.where(rows_b, config.budget, cache.lengths_b)
     # Rows not compressed write nothing (compaction writes only j < its new length).
     write_len_b = jnp.where(rows_b, config.budget, 0)
@@ -68,9 +69,24 @@ def compress_rows(
     def select(scores_bks):
         return select_tokens(scores_bks[None], cache.lengths_b, config)[0]
 
+    def pools_of(c):
+        return c.k_pages, c.v_pages, c.attn_mass
+
+    def with_pools(pools):
+        k, v, mass = pools
+        return dataclasses.replace(cache, k_pages=k, v_pages=v, attn_mass=mass)
+
     shared = None
     if config.granularity == "sequence":
-        shared = select(sum(layer_scores(cache, config, y) for y in range(layers)))
+        b, k, s = cache.page_table.shape[0], cache.kv_heads, cache.capacity
+        shared = select(
+            jax.lax.fori_loop(
+                0,
+                layers,
+                lambda y, acc: acc + layer_scores(cache, config, y),
+                jnp.zeros((b, k, s), jnp.float32),
+            )
+        )
 
     def compact(pool, y, keep_bkj):
         # The layer's pages through the whole pool (`layer_pages`: no slice of it), so the call
@@ -80,18 +96,25 @@ def compress_rows(
         flat = compact_pages(flat, table, keep_bkj, write_len_b, impl=cache.impl, mesh=cache.mesh)
         return flat.reshape(pool.shape)
 
-    keeps = []
-    for y in range(layers):
-        keep_bkj = shared if shared is not None else select(layer_scores(cache, config, y))
-        cache = dataclasses.replace(
-            cache,
-            k_pages=compact(cache.k_pages, y, keep_bkj),
-            v_pages=compact(cache.v_pages, y, keep_bkj),
-            attn_mass=None if cache.attn_mass is None else compact(cache.attn_mass, y, keep_bkj),
+    record = shared is None and cache.evict_pos is not None
+
+    def layer(y, carry):
+        pools, keeps = carry
+        keep_bkj = (
+            shared if shared is not None else select(layer_scores(with_pools(pools), config, y))
         )
-        if shared is None:
-            keeps.append(keep_bkj)
-    keep_ybkj = shared[None] if shared is not None else jnp.stack(keeps)
+        pools = tuple(None if p is None else compact(p, y, keep_bkj) for p in pools)
+        if record:
+            keeps = jax.lax.dynamic_update_index_in_dim(keeps, keep_bkj, y, 0)
+        return pools, keeps
+
+    keeps = None
+    if record:
+        b, k = cache.page_table.shape[0], cache.kv_heads
+        keeps = jnp.zeros((layers, b, k, config.budget), jnp.int32)
+    pools, keeps = jax.lax.fori_loop(0, layers, layer, (pools_of(cache), keeps))
+    cache = with_pools(pools)
+    keep_ybkj = shared[None] if shared is not None else keeps
     evict_pos = cache.evict_pos
     if evict_pos is not None:
         evict_pos = record_evictions(evict_pos, keep_ybkj, cache.next_pos_b, rows_b)

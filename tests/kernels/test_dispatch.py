@@ -70,8 +70,11 @@ def test_tpu_smem_budget():
     assert decide((64, 128, 8, 128), 64, 256, 64) == "pallas_tpu"  # 66 KiB of tables
     assert "SMEM" in unsupported_reason((64, 128, 8, 128), 512, 512)  # 1 MiB: fails to compile
     assert decide((64, 128, 8, 128), 64, 512, 512) == "xla"
-    assert compaction_tpu.unsupported_reason(8, 16, 8, 512) is None
-    assert "SMEM" in compaction_tpu.unsupported_reason(64, 64, 8, 4096)
+    assert compaction_tpu.unsupported_reason(16, 8, 512) is None
+    # Tables over the budget are compacted in blocks of rows: only one row too large is refused.
+    assert compaction_tpu.rows_per_call(64, 8, 4096) == 3  # 64 rows: 22 calls
+    assert compaction_tpu.unsupported_reason(64, 8, 4096) is None
+    assert "SMEM" in compaction_tpu.unsupported_reason(64, 64, 4096)
 
 
 @pytest.mark.parametrize("name", sorted(TPU_OK) + sorted(TPU_BAD))

@@ -172,3 +172,21 @@ def test_forced_kernel_compiles_with_mosaic_by_its_shardings(op, chips):
     interpreter = ("stablehlo.while", "callback", "stablehlo.send", "stablehlo.recv")
     assert not any(word in text for word in interpreter)
     assert mosaic_calls(lowered.compile().as_text()) == {kernel: 1}
+
+
+def test_compaction_over_the_smem_budget_runs_in_blocks_of_rows():
+    """16 rows keeping 16,384 tokens on 2 heads: 128 KiB of SMEM tables per row, so 3 rows per
+    call (`rows_per_call`): 6 Mosaic calls on the one aliased pool, no XLA fallback."""
+    from pallas_kernels.compaction import kernel_tpu
+
+    rows, max_pages, keep = 16, 64, 16384
+    assert kernel_tpu.rows_per_call(max_pages, 2, keep) == 3
+    shapes = [((256, 16, 128), jnp.bfloat16), ((rows, max_pages), jnp.int32)]
+    shapes += [((rows, 2, keep), jnp.int32), ((rows,), jnp.int32)]
+    device = tpu.topology("v5p:2x2x1").devices[0]
+    structs = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    with jax.default_device(device):
+        compiled = (
+            jax.jit(lambda *a: compact_pages(*a, impl="pallas_tpu")).lower(*structs).compile()
+        )
+    assert mosaic_calls(compiled.as_text()) == {"compact_pages_tpu": 6}

@@ -64,11 +64,19 @@ def max_exponent(dtype: str) -> int:
     return EXPONENT_FIELDS[dtype][1] if dtype in EXPONENT_FIELDS else 0
 
 
+HISTOGRAM_BLOCK = 1 << 20  # elements per `bincount` in `exponent_histogram`
+
+
 def exponent_histogram(bits: np.ndarray, dtype: str) -> np.ndarray | None:
     """How many elements of `bits` hold each exponent field value (int64[256]); None for
     non-float dtypes."""
-    key = exponent_key(bits, dtype)
-    return None if key is None else np.bincount(key, minlength=256)
+    if dtype not in EXPONENT_FIELDS:
+        return None
+    # In blocks: `bincount` widens its input to int64, 8 bytes per element of a whole leaf.
+    flat, hist = bits.reshape(-1), np.zeros(256, np.int64)
+    for lo in range(0, flat.size, HISTOGRAM_BLOCK):
+        hist += np.bincount(exponent_key(flat[lo : lo + HISTOGRAM_BLOCK], dtype), minlength=256)
+    return hist
 
 
 def class_of(key: np.ndarray, cuts: list[int]) -> np.ndarray:

@@ -22,6 +22,7 @@ array each device works on its own shard and only scalars are all-reduced.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Mapping
 
 import jax
@@ -30,6 +31,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jaxtyping import Array, Shaped
+
+# A block of a leaf: (its start along each axis, the whole leaf's shape).
+Box = tuple[tuple[int, ...], tuple[int, ...]]
 
 BITS_DTYPES = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
@@ -182,17 +186,36 @@ def element_hash(index, bits, lane: int):
     return _fmix32((bits * np.uint32(_MUL_BITS)) ^ (index * np.uint32(_MUL_INDEX) + seed))
 
 
-def _leaf_digest(bits, *, local: bool = False):
-    """The two digest lanes of a leaf's bits; `local`: the array lives on one device."""
-    if bits.size >= 2**32:
-        raise ValueError(f"leaf with {bits.size} elements exceeds the 2**32 element limit")
+def _leaf_digest(bits, *, local: bool = False, box: Box | None = None):
+    """The two digest lanes of a leaf's bits; `local`: the array lives on one device. `box`:
+    the bits are the block `box` of a larger leaf, hashed at their indices in that leaf (so the
+    digests of a leaf's blocks add up to the leaf's)."""
+    starts, shape = (0,) * bits.ndim, bits.shape
+    if box is not None:
+        starts, shape = box
+    if math.prod(shape) >= 2**32:
+        raise ValueError(f"leaf with {math.prod(shape)} elements exceeds the 2**32 element limit")
     b32 = bits.astype(jnp.uint32)
     index = jnp.zeros(bits.shape, jnp.uint32)
     stride = 1
     for axis in range(bits.ndim - 1, -1, -1):
-        index = index + lax.broadcasted_iota(jnp.uint32, bits.shape, axis) * np.uint32(stride)
-        stride *= bits.shape[axis]
+        at = lax.broadcasted_iota(jnp.uint32, bits.shape, axis) + jnp.uint32(starts[axis])
+        index = index + at * np.uint32(stride)
+        stride *= shape[axis]
     return lane_sums(tuple(element_hash(index, b32, k) for k in range(2)), local=local)
+
+
+@functools.partial(jax.jit, static_argnames=("shape",))
+def _block_digest_jit(bits, starts, *, shape: tuple[int, ...]):
+    return _leaf_digest(to_bits(bits, None), local=True, box=(starts, shape))
+
+
+def block_digest(bits: jax.Array, starts: tuple[int, ...], shape: tuple[int, ...]) -> jax.Array:
+    """The digest lanes of one block (bits or values, on one device) of a leaf of `shape`,
+    starting at `starts`:
+    its elements hashed at their indices in the leaf. One program per block shape (the starts
+    are an argument), run where the block lives."""
+    return _block_digest_jit(bits, np.asarray(starts, np.uint32), shape=tuple(shape))
 
 
 def _add_lanes(a: tuple, b: tuple) -> tuple:

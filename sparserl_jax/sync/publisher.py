@@ -22,9 +22,19 @@ import numpy as np
 
 from sparserl_jax.sync import codec
 from sparserl_jax.sync.errors import RunMismatchError, SyncError
-from sparserl_jax.sync.extract import extract_changes, host_bits
+from sparserl_jax.sync.extract import (
+    LeafChanges,
+    box_name,
+    extract_changes,
+    global_index,
+    host_bits,
+    primary_shards,
+    shard_changes,
+    shard_start,
+)
 from sparserl_jax.sync.header import check_run_id, new_run_id, read_header
 from sparserl_jax.sync.mask import (
+    block_digest,
     digest_update,
     leaf_digests,
     publish_bits,
@@ -101,11 +111,17 @@ class Publisher:
         config: SyncConfig | None = None,
         start_version: int = 0,
         run_id: str | None = None,
+        shards: bool = False,
     ):
         """`start_version`: the version of the first (anchor) publish, e.g. the version a
         resumed trainer had reached, so that version numbers keep rising across restarts.
         `run_id`: written into every blob (default: a fresh random id); a resumed trainer passes
-        the id it checkpointed, so receivers bound to the run keep following it."""
+        the id it checkpointed, so receivers bound to the run keep following it.
+        `shards`: publish only the primary shards (`replica_id == 0`) this process holds, each
+        as its own tensor named after the block of its leaf it covers (`extract.box_name`): this
+        process's part of a publish spread over processes (`sync.parts`). Their digests hash
+        each element at its index in the whole leaf, so the parts' digests of a leaf add up to
+        the leaf's digest. No leaf is read beyond this process's shards."""
         if start_version < 0:
             raise ValueError(f"start_version must be >= 0, got {start_version}")
         self._start_version = start_version
@@ -121,22 +137,47 @@ class Publisher:
         # Each leaf's context classes of `_sent` and its last cuts, kept across versions: in
         # steady state a patch reads no leaf's old bits back from its devices.
         self._context = ContextCache()
+        self.shards = shards
+        # With `shards`: per tensor, (its leaf's position, where its block starts).
+        self._blocks: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self.leaf_specs: list[codec.TensorSpec] = []  # the whole leaves (== specs without shards)
 
     @property
     def sent_bits(self):
         """The bits of the last published state (a tree like the master; same shardings)."""
         return self._sent
 
+    def _block(self, tree, name: str):
+        """Tensor `name`'s block of `tree` (with `shards`): the shard of its leaf there."""
+        leaf, starts = self._blocks[name]
+        x = jax.tree.leaves(tree)[leaf]
+        return next(s for s in primary_shards(x, local=True) if shard_start(s) == starts)
+
+    def _full_digests(self) -> dict[str, np.ndarray]:
+        if not self.shards:
+            leaves = dict(zip(self.names, jax.tree.leaves(self._sent), strict=True))
+            return {k: np.asarray(v, np.uint32) for k, v in leaf_digests(leaves).items()}
+        shapes = [s.shape for s in self.leaf_specs]
+        pending = {}
+        for n, (leaf, starts) in self._blocks.items():
+            pending[n] = block_digest(self._block(self._sent, n).data, starts, shapes[leaf])
+        return {k: np.asarray(v, np.uint32) for k, v in pending.items()}
+
+    def _bits(self, tree, name: str) -> np.ndarray:
+        if self.shards:
+            return np.asarray(self._block(tree, name).data)
+        return host_bits(dict(zip(self.names, jax.tree.leaves(tree), strict=True))[name])
+
     def _anchor(self) -> bytes:
-        leaves = dict(zip(self.names, jax.tree.leaves(self._sent), strict=True))
-        full = {k: np.asarray(v, np.uint32) for k, v in leaf_digests(leaves).items()}
+        full = self._full_digests()
         if self._digests and any(not np.array_equal(full[k], self._digests[k]) for k in full):
             raise RuntimeError("incremental digest diverged from the full digest (a PULSESync bug)")
         self._digests = full
+        sent = self._sent
         return codec.encode_anchor(
             version=self.version,
             specs=self.specs,
-            bits=lambda n: host_bits(leaves[n]),
+            bits=lambda n: self._bits(sent, n),
             leaf_digests=self._digests,
             config=self.config.codec,
             run_id=self.run_id,
@@ -184,11 +225,21 @@ class Publisher:
                 self._check_transport()
             self._sent = publish_bits(master, pdt)
             leaves, self._treedef = jax.tree.flatten(master)
-            self.names = leaf_names(master)
-            self.specs = [
+            names = leaf_names(master)
+            self.leaf_specs = [
                 codec.TensorSpec(n, tuple(x.shape), published_dtype(x.dtype, pdt).name)
-                for n, x in zip(self.names, leaves, strict=True)
+                for n, x in zip(names, leaves, strict=True)
             ]
+            self.names, self.specs = names, self.leaf_specs
+            if self.shards:
+                self.specs = []
+                for i, (spec, x) in enumerate(zip(self.leaf_specs, leaves, strict=True)):
+                    for shard in primary_shards(x, local=True):
+                        name = box_name(spec.name, shard_start(shard))
+                        self._blocks[name] = (i, shard_start(shard))
+                        shape = tuple(shard.data.shape)
+                        self.specs.append(codec.TensorSpec(name, shape, spec.dtype))
+                self.names = [s.name for s in self.specs]
             self.version = self._start_version
             anchor = self._anchor()
             self._put(self.version, "anchor", anchor)
@@ -200,7 +251,7 @@ class Publisher:
             )
         if jax.tree.structure(master) != self._treedef:
             raise ValueError("master tree structure changed since the first publish")
-        for spec, x in zip(self.specs, jax.tree.leaves(master), strict=True):
+        for spec, x in zip(self.leaf_specs, jax.tree.leaves(master), strict=True):
             shape, dtype = tuple(x.shape), published_dtype(x.dtype, pdt).name
             if (shape, dtype) != (spec.shape, spec.dtype):
                 raise ValueError(
@@ -214,24 +265,13 @@ class Publisher:
         bitmaps, packed, new_sent = visible_bitmap(master, self._sent, pdt)
         jax.block_until_ready((bitmaps, new_sent))
         t1 = time.perf_counter()
-        leaves = zip(
-            jax.tree.leaves(bitmaps),
-            jax.tree.leaves(self._sent),
-            jax.tree.leaves(new_sent),
-            packed,
-            strict=True,
-        )
-        changes = {
-            n: extract_changes(b, o, s, packed=p)
-            for n, (b, o, s, p) in zip(self.names, leaves, strict=True)
-        }
+        changes, index = self._changes(bitmaps, new_sent, packed)
         t2 = time.perf_counter()
         digests = dict(self._digests)
         for n, ch in changes.items():
             if ch.count:
-                digests[n] = digest_update(digests[n], ch.index, ch.old, ch.new)
-        dense_of = dict(zip(self.names, jax.tree.leaves(new_sent), strict=True))
-        old_of = dict(zip(self.names, jax.tree.leaves(self._sent), strict=True))
+                digests[n] = digest_update(digests[n], index(n), ch.old, ch.new)
+        sent = self._sent
         patch = codec.encode_patch(
             run_id=self.run_id,
             base_digest=self.state_digest,
@@ -239,8 +279,8 @@ class Publisher:
             new_version=self.version + 1,
             specs=self.specs,
             changes=changes,
-            new_bits=lambda n: host_bits(dense_of[n]),
-            old_bits=lambda n: host_bits(old_of[n]),
+            new_bits=lambda n: self._bits(new_sent, n),
+            old_bits=lambda n: self._bits(sent, n),
             leaf_digests=digests,
             config=self.config.codec,
             context=self._context,
@@ -269,6 +309,32 @@ class Publisher:
             anchor_s=t4 - t3,
             anchor_cpu_s=c4 - c3,
         )
+
+    def _changes(self, bitmaps, new_sent, packed):
+        """Each tensor's changes, and where each change is in its whole leaf (for the digest)."""
+        trees = (jax.tree.leaves(bitmaps), jax.tree.leaves(self._sent), jax.tree.leaves(new_sent))
+        if not self.shards:
+            changes = {
+                n: extract_changes(b, o, s, packed=p)
+                for n, b, o, s, p in zip(self.names, *trees, packed, strict=True)
+            }
+            return changes, lambda n: changes[n].index
+        changes, where = {}, {}
+        bitmaps_l, old_l, new_l = trees
+        olds = [{shard_start(s): s for s in primary_shards(x, local=True)} for x in old_l]
+        # The bitmap is packed along the last axis: its shards are found by device.
+        for n, (leaf, starts) in self._blocks.items():
+            old = olds[leaf][starts]
+            bm = next(s for s in bitmaps_l[leaf].addressable_shards if s.device == old.device)
+            new = next(s for s in new_l[leaf].addressable_shards if s.device == old.device)
+            local, ovals, nvals = shard_changes(bm, old, new, packed=packed[leaf])
+            changes[n] = LeafChanges(local.astype(np.int64), ovals ^ nvals, ovals)
+            where[n] = (starts, old.data.shape, self.leaf_specs[leaf].shape)
+
+        def index(n):  # computed when the digest needs it, one block at a time
+            return global_index(changes[n].index, *where[n])
+
+        return changes, index
 
     def _put(self, version: int, kind: str, blob: bytes) -> None:
         if self.transport is not None:

@@ -45,7 +45,14 @@ from sparserl_jax.sync.errors import (
     VersionError,
 )
 from sparserl_jax.sync.header import MAX_HEADER_BYTES, check_run_id
-from sparserl_jax.sync.mask import _leaf_digest, element_hash, from_bits, lane_sums, to_bits
+from sparserl_jax.sync.mask import (
+    _leaf_digest,
+    block_digest,
+    element_hash,
+    from_bits,
+    lane_sums,
+    to_bits,
+)
 from sparserl_jax.sync.order import ContextCache
 from sparserl_jax.sync.planes import uint_dtype
 from sparserl_jax.sync.transport import Transport
@@ -175,9 +182,12 @@ def _digest_jit(arr, *, local: bool):
     return _leaf_digest(to_bits(arr, None), local=local)
 
 
-def _digest(arr: jax.Array) -> jax.Array:
+def digest_of(arr: jax.Array) -> jax.Array:
     """A held leaf's two digest lanes, computed on device (`mask.leaf_digests`' arithmetic)."""
     return _digest_jit(arr, local=len(arr.sharding.device_set) == 1)
+
+
+ShardingSpec = Mapping[str, Sharding] | Callable[[str, tuple[int, ...]], Sharding]
 
 
 def _replicated(sharding: Sharding) -> Sharding:
@@ -219,6 +229,9 @@ class Receiver:
         that names one. Blobs of any other run are refused (`RunMismatchError`).
       max_header_bytes, max_decoded_bytes: bounds on a blob's header and on the bytes it decodes
         to (`codec.decode`); after the first anchor the receiver's own manifest bounds the latter.
+      block_of: for a part of a publish spread over processes (`sync.parts`): a tensor's
+        (starts, leaf shape), the block of a leaf it is; its digest hashes each element at its
+        index in the leaf (`mask.block_digest`). Needs `verify="all"` and single-device blocks.
 
     Format-3 patches are coded against the receiver's old bits: from the first such patch on, the
     receiver keeps a host copy of the published bits of each leaf they touch (the size of the
@@ -228,15 +241,19 @@ class Receiver:
 
     def __init__(
         self,
-        sharding: Mapping[str, Sharding] | Callable[[str, tuple[int, ...]], Sharding],
+        sharding: ShardingSpec,
         *,
         verify: Literal["all", "touched"] = "all",
         run_id: str | None = None,
         max_header_bytes: int = MAX_HEADER_BYTES,
         max_decoded_bytes: int | None = None,
+        block_of: Callable[[str], tuple[tuple[int, ...], tuple[int, ...]]] | None = None,
     ):
         if verify not in ("all", "touched"):
             raise ValueError(f"verify {verify!r} unknown; expected all or touched")
+        if block_of is not None and verify != "all":
+            raise ValueError("a receiver of blocks (block_of) verifies with verify='all'")
+        self._block_of = block_of
         self.run_id = None if run_id is None else check_run_id(run_id)
         self.max_header_bytes, self.max_decoded_bytes = max_header_bytes, max_decoded_bytes
         self._sharding = sharding
@@ -252,6 +269,16 @@ class Receiver:
         self._context = ContextCache()
         self._host: dict[str, np.ndarray] = {}
         self.state_digest: str | None = None
+
+    @property
+    def digests(self) -> Mapping[str, np.ndarray]:
+        """Each held tensor's verified digest lanes."""
+        return self._digests
+
+    def _digest(self, name: str, arr: jax.Array) -> jax.Array:
+        if self._block_of is None:
+            return digest_of(arr)
+        return block_digest(arr, *self._block_of(name))
 
     def sharding_of(self, name: str, shape: tuple[int, ...]) -> Sharding:
         if callable(self._sharding):
@@ -334,7 +361,7 @@ class Receiver:
             for name, change in changes.items():  # read once every leaf is dispatched
                 computed[name] = computed[name] + np.asarray(change, np.uint32)  # lanes wrap
         recompute = names if self.verify == "all" else dense
-        pending = {n: pace(_digest(arrays[n])) for n in recompute}  # dispatched, then read
+        pending = {n: pace(self._digest(n, arrays[n])) for n in recompute}  # dispatched, then read
         computed.update({k: np.asarray(v, np.uint32) for k, v in pending.items()})
         bad = [n for n in names if not np.array_equal(computed[n], patch.leaf_digests[n])]
         if bad or codec.state_digest(specs, computed) != patch.state_digest:

@@ -135,7 +135,7 @@ def test_digest_matches_numpy_and_sharding_and_incremental_update():
 def test_receiver_digest_one_device_and_sharded_match_numpy(shape):
     # `_digest` sums both lanes in one variadic reduction on one device and per lane when
     # sharded; both must be the digest.
-    from sparserl_jax.sync.receiver import _digest
+    from sparserl_jax.sync.receiver import digest_of as _digest
 
     bits = np.random.default_rng(3).integers(0, 2**16, shape, dtype=np.uint16)
     ref = np_digest(bits)

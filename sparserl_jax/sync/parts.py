@@ -1,0 +1,317 @@
+"""PULSESync from a publisher spread over processes: each process publishes the shards it holds.
+
+A trainer whose leaves are sharded across processes cannot give any one process a whole leaf.
+So every process p publishes *part p*: an ordinary PULSESync stream (anchors and format-3
+patches, the run's id) over its primary shards (`replica_id == 0`), each a tensor named after
+the block of its leaf it covers (`Publisher(shards=True)`, `extract.box_name`). Each element of a
+leaf is in exactly one process's part. A block's digest hashes each element at its index in the
+whole leaf, so the parts' digests of a leaf add up to the digest a single publisher would send.
+
+Layout under one location (`open_transport(sub)` gives a `Transport` for a sub-location):
+
+    part-<p>/    process p's blobs
+    versions/    per version v, the leader's manifest (JSON, stored as kind "patch"): written
+                 once every part's blob of v is there, so its presence is version v's READY
+                 marker; it names the parts, the blob kinds and every leaf's global shape.
+
+A `PartsReceiver` (any mesh, any number of devices, one process) follows each part with its own
+`Receiver` (which validates every blob in full), and swaps in version v only when every part
+reached v: it assembles each changed leaf on its own sharding from the blocks and checks the
+assembled leaf's digest against the sum of its verified blocks' digests.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+from jax.sharding import SingleDeviceSharding
+
+from sparserl_jax.sync import codec
+from sparserl_jax.sync.errors import CorruptPatchError, MissingVersionError, RunMismatchError
+from sparserl_jax.sync.extract import parse_box_name
+from sparserl_jax.sync.header import check_run_id
+from sparserl_jax.sync.publisher import Published, Publisher, SyncConfig
+from sparserl_jax.sync.receiver import ApplyEvent, Receiver, ShardingSpec, digest_of
+from sparserl_jax.sync.transport import Transport
+
+MANIFEST_FORMAT = 1
+VERSIONS = "versions/"
+MAX_MANIFEST_BYTES = 16 * 2**20
+
+OpenTransport = Callable[[str], Transport]
+
+
+def part_location(part: int) -> str:
+    return f"part-{part:04d}/"
+
+
+def kvstore_location(url: str, **kwargs) -> OpenTransport:
+    """`open_transport` for a TensorStore kvstore URL (`file:///shared/sync/`, `gs://b/run/`)."""
+    from sparserl_jax.sync.transport import KvStoreTransport
+
+    root = url if url.endswith("/") else url + "/"
+    return lambda sub: KvStoreTransport(root + sub, **kwargs)
+
+
+class PartPublisher:
+    """This process's part of every version, and (on process 0, the leader) the manifests.
+
+    Every process calls `publish` with the same global master at the same step (its arrays may
+    span processes); none gathers a leaf or joins a collective beyond the elementwise programs.
+    The leader waits (up to `timeout_s`) for every part's blob of the version before it writes
+    the manifest; a part that does not appear (a dead process) raises `MissingVersionError`.
+    """
+
+    def __init__(
+        self,
+        open_transport: OpenTransport,
+        *,
+        run_id: str,
+        config: SyncConfig | None = None,
+        start_version: int = 0,
+        part: int | None = None,
+        parts: int | None = None,
+        timeout_s: float = 120.0,
+        poll_s: float = 0.02,
+    ):
+        self.part = jax.process_index() if part is None else part
+        self.parts = jax.process_count() if parts is None else parts
+        if not 0 <= self.part < self.parts:
+            raise ValueError(f"part {self.part} is not in [0, {self.parts})")
+        self.run_id = check_run_id(run_id)
+        self.publisher = Publisher(
+            open_transport(part_location(self.part)),
+            config=config,
+            start_version=start_version,
+            run_id=run_id,
+            shards=True,
+        )
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self._versions = self._parts = None
+        if self.part == 0:
+            self._versions = open_transport(VERSIONS)
+            self._parts = [open_transport(part_location(q)) for q in range(self.parts)]
+
+    def publish(self, master) -> Published:
+        """Publish this process's part of the next version (and, on the leader, its manifest)."""
+        out = self.publisher.publish(master)
+        if self._versions is not None:
+            kinds = [k for k, blob in (("anchor", out.anchor), ("patch", out.patch)) if blob]
+            self._wait_for_parts(out.version, kinds)
+            manifest = {
+                "format": MANIFEST_FORMAT,
+                "run_id": self.run_id,
+                "version": out.version,
+                "parts": self.parts,
+                "kinds": kinds,
+                "leaves": [[s.name, list(s.shape), s.dtype] for s in self.publisher.leaf_specs],
+            }
+            self._versions.put(out.version, "patch", json.dumps(manifest).encode())
+        return out
+
+    def _wait_for_parts(self, version: int, kinds: list[str]) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        missing = list(range(self.parts))
+        while True:
+            missing = [
+                q for q in missing if any(version not in self._parts[q].versions(k) for k in kinds)
+            ]
+            if not missing:
+                return
+            if time.monotonic() > deadline:
+                raise MissingVersionError(
+                    f"version {version}: parts {missing} not written within {self.timeout_s:g} s "
+                    "(are those trainer processes alive?)"
+                )
+            time.sleep(self.poll_s)
+
+
+def read_manifest(blob: bytes) -> dict:
+    """Parse and check a version manifest; raises `CorruptPatchError` on anything unexpected."""
+    if len(blob) > MAX_MANIFEST_BYTES:
+        raise CorruptPatchError(f"manifest of {len(blob)} bytes exceeds {MAX_MANIFEST_BYTES}")
+    try:
+        m = json.loads(blob)
+    except (ValueError, RecursionError) as e:
+        raise CorruptPatchError(f"manifest is not valid JSON: {e}") from e
+    ok = (
+        isinstance(m, dict)
+        and m.get("format") == MANIFEST_FORMAT
+        and type(m.get("version")) is int
+        and type(m.get("parts")) is int
+        and m["parts"] >= 1
+        and isinstance(m.get("kinds"), list)
+        and set(m["kinds"]) <= {"anchor", "patch"}
+        and isinstance(m.get("leaves"), list)
+        and all(
+            isinstance(e, list)
+            and len(e) == 3
+            and isinstance(e[0], str)
+            and isinstance(e[1], list)
+            and all(type(d) is int and d >= 0 for d in e[1])
+            and e[2] in codec.ITEMSIZES
+            for e in m["leaves"]
+        )
+    )
+    if not ok:
+        raise CorruptPatchError(f"malformed parts manifest: {str(m)[:200]}")
+    check_run_id(m["run_id"])
+    return m
+
+
+class PartsReceiver:
+    """Follows a publish spread over processes and holds the whole weights on `sharding`.
+
+    Args:
+      open_transport: the location's sub-transports (as given to the `PartPublisher`s).
+      sharding: per leaf name, its `Sharding` here (mapping or `(name, shape) -> Sharding`).
+      run_id: the run to follow (None: the first manifest's).
+      block_device: where the per-part receivers keep the blocks (default: the first local CPU
+        device), next to their host copy of the bits; the assembled leaves live on `sharding`.
+    """
+
+    def __init__(
+        self,
+        open_transport: OpenTransport,
+        sharding: ShardingSpec,
+        *,
+        run_id: str | None = None,
+        block_device: jax.Device | None = None,
+    ):
+        self._open = open_transport
+        self._versions = open_transport(VERSIONS)
+        self._sharding = sharding
+        self.run_id = None if run_id is None else check_run_id(run_id)
+        device = block_device or jax.local_devices(backend="cpu")[0]
+        self._block_sharding = SingleDeviceSharding(device)
+        self.version: int | None = None
+        self.arrays: dict[str, jax.Array] = {}
+        self.leaf_specs: list[codec.TensorSpec] | None = None
+        self._parts: list[Receiver] = []
+        self._transports: list[Transport] = []
+        self._assembled_from: dict[str, tuple] = {}  # leaf -> the block arrays it was built from
+
+    def sharding_of(self, name: str, shape: tuple[int, ...]):
+        if callable(self._sharding):
+            return self._sharding(name, shape)
+        return self._sharding[name]
+
+    def _manifest(self, version: int) -> dict:
+        blob = self._versions.get(version, "patch")
+        if blob is None:
+            raise MissingVersionError(f"manifest of version {version} not available")
+        m = read_manifest(blob)
+        if m["version"] != version:
+            raise CorruptPatchError(f"manifest stored as version {version} says {m['version']}")
+        if self.run_id is not None and m["run_id"] != self.run_id:
+            raise RunMismatchError(
+                f"version {version} was published by run {m['run_id']!r}; this receiver follows "
+                f"run {self.run_id!r}"
+            )
+        if self._parts and m["parts"] != len(self._parts):
+            raise CorruptPatchError(
+                f"version {version} has {m['parts']} parts; this run had {len(self._parts)}"
+            )
+        return m
+
+    def _start(self, m: dict) -> None:
+        self.run_id = m["run_id"]
+        self.leaf_specs = [codec.TensorSpec(n, tuple(s), d) for n, s, d in m["leaves"]]
+        shapes = {s.name: s.shape for s in self.leaf_specs}
+
+        def block_of(name: str):
+            leaf, starts = parse_box_name(name)
+            if leaf not in shapes or len(starts) != len(shapes[leaf]):
+                raise CorruptPatchError(f"tensor {name!r} is no block of a manifest leaf")
+            return starts, shapes[leaf]
+
+        self._transports = [self._open(part_location(q)) for q in range(m["parts"])]
+        self._parts = [
+            Receiver(
+                lambda name, shape: self._block_sharding, run_id=self.run_id, block_of=block_of
+            )
+            for _ in range(m["parts"])
+        ]
+
+    def sync(self, target: int | None = None) -> list[ApplyEvent]:
+        """Bring every part to `target` (default: the newest manifest) and swap in the whole
+        state. Raises `SyncError` (the held weights stay at the last good version)."""
+        available = self._versions.versions("patch")
+        if target is None:
+            if not available:
+                raise MissingVersionError("no version published yet")
+            target = available[-1]
+        if self.version is not None and target <= self.version:
+            return []
+        m = self._manifest(target)
+        if not self._parts:
+            self._start(m)
+        events: list[ApplyEvent] = []
+        for receiver, transport in zip(self._parts, self._transports, strict=True):
+            events += receiver.sync(transport, target)
+        self._assemble(target)
+        return events
+
+    def _assemble(self, version: int) -> None:
+        blocks: dict[str, list[tuple[tuple[int, ...], jax.Array, np.ndarray]]] = {}
+        for receiver in self._parts:
+            for name, arr in receiver.arrays.items():
+                leaf, starts = parse_box_name(name)
+                blocks.setdefault(leaf, []).append((starts, arr, receiver.digests[name]))
+        arrays, pending = dict(self.arrays), {}
+        for spec in self.leaf_specs:
+            held = blocks.get(spec.name, [])
+            covered = sum(math.prod(a.shape) for _, a, _ in held)
+            if covered != spec.numel:
+                raise CorruptPatchError(
+                    f"version {version}: the parts' blocks of {spec.name} cover {covered} of its "
+                    f"{spec.numel} elements"
+                )
+            source = tuple(a for _, a, _ in held)
+            last = self._assembled_from.get(spec.name, ())
+            if len(last) == len(source) and all(a is b for a, b in zip(last, source, strict=True)):
+                continue  # no block of this leaf changed (an apply replaces what it changes)
+            arrays[spec.name] = _assemble_leaf(spec, held, self.sharding_of(spec.name, spec.shape))
+            want = np.zeros(2, np.uint32)
+            for _, _, d in held:
+                want = want + np.asarray(d, np.uint32)  # lanes wrap mod 2**32
+            pending[spec.name] = (digest_of(arrays[spec.name]), want)
+        bad = [n for n, (got, want) in pending.items() if not np.array_equal(np.asarray(got), want)]
+        if bad:
+            raise CorruptPatchError(
+                f"version {version}: assembled leaves {bad[:5]} do not match their blocks' "
+                f"digests; weights left at version {self.version}"
+            )
+        self.arrays, self.version = arrays, version
+        for spec in self.leaf_specs:
+            self._assembled_from[spec.name] = tuple(a for _, a, _ in blocks[spec.name])
+
+    def tree(self, treedef, names: list[str]):
+        """The held arrays as a pytree with `treedef` (leaves in the order of `names`)."""
+        return jax.tree.unflatten(treedef, [self.arrays[n] for n in names])
+
+
+def _assemble_leaf(spec: codec.TensorSpec, held, sharding) -> jax.Array:
+    """Leaf `spec` on `sharding`, each device's region copied from the blocks it overlaps."""
+    hosts = [(starts, np.asarray(a)) for starts, a, _ in held]
+
+    def region(index: tuple) -> np.ndarray:
+        lo = [sl.start or 0 for sl in index] if index else []
+        hi = [d if sl.stop is None else sl.stop for sl, d in zip(index, spec.shape, strict=True)]
+        out = np.empty([h - low for low, h in zip(lo, hi, strict=True)], hosts[0][1].dtype)
+        for starts, block in hosts:
+            a = [max(low, s) for low, s in zip(lo, starts, strict=True)]
+            b = [min(h, s + n) for h, s, n in zip(hi, starts, block.shape, strict=True)]
+            if any(x >= y for x, y in zip(a, b, strict=True)):
+                continue
+            dst = tuple(slice(x - low, y - low) for x, y, low in zip(a, b, lo, strict=True))
+            src = tuple(slice(x - s, y - s) for x, y, s in zip(a, b, starts, strict=True))
+            out[dst] = block[src]
+        return out
+
+    return jax.make_array_from_callback(tuple(spec.shape), sharding, region)

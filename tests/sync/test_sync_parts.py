@@ -14,13 +14,9 @@ two parts' bytes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, SingleDeviceSharding
@@ -36,8 +32,8 @@ from sparserl_jax.sync.parts import (
 )
 from sparserl_jax.sync.publisher import Publisher
 from sparserl_jax.sync.transport import InProcessTransport
+from sparserl_jax.testing.processes import join, run_processes
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = "parts-test-0001"
 VERSIONS_N = 5
 WALL_S = 300
@@ -157,41 +153,10 @@ def test_a_bad_manifest_or_a_missing_part_is_refused(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_publish_their_shards_without_gathering(tmp_path):
-    port = _free_port()
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     outs = [tmp_path / f"process{p}.json" for p in range(2)]
     sync_dir = tmp_path / "sync"
-    procs = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                os.path.abspath(__file__),
-                str(p),
-                str(port),
-                str(sync_dir),
-                str(outs[p]),
-            ],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for p in range(2)
-    ]
-    deadline, logs = time.monotonic() + WALL_S, []
-    try:
-        for proc in procs:
-            logs.append(proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for p, proc in enumerate(procs):
-        assert proc.returncode == 0, f"process {p} exited {proc.returncode}:\n{logs[p][-3000:]}"
+    args = [[str(sync_dir), str(o)] for o in outs]
+    run_processes(__file__, args, devices_per_process=4, wall_s=WALL_S)
     results = [json.loads(o.read_text()) for o in outs]
 
     shapes = {**SMALL, **BIG}
@@ -225,28 +190,16 @@ def test_two_processes_publish_their_shards_without_gathering(tmp_path):
     ratio = sum(part_bytes) / sum(single_bytes)
     peaks = [r["patch_peak_bytes"] for r in results]
     print(f"patch bytes, 2 parts / 1 publisher: {ratio:.4f} ({part_bytes} vs {single_bytes})")
-    print(
-        f"host peak per process: patches {peaks}, anchors {[r['anchor_peak_bytes'] for r in results]}"
-    )
+    anchors = [r["anchor_peak_bytes"] for r in results]
+    print(f"host peak per process: patches {peaks}, anchors {anchors}")
     assert ratio <= 1.05, (part_bytes, single_bytes)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def child(process_id: int, port: int, sync_dir: str, out_path: str) -> None:
+def child(sync_dir: str, out_path: str) -> None:
     import tracemalloc
 
     from jax.experimental import multihost_utils
 
-    from sparserl_jax.sync.loco_runtime import init_cpu_distributed
-
-    init_cpu_distributed(f"localhost:{port}", 2, process_id, timeout_s=30)
     gathered = [0]
 
     def refuse_large(fn):
@@ -287,4 +240,4 @@ def child(process_id: int, port: int, sync_dir: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    child(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    child(*join(sys.argv))

@@ -149,22 +149,27 @@ class CheckpointManager:
             try:
                 return self.restore(step, abstract_state)
             except CheckpointError as e:
-                moved = self.move_aside(step)
+                moved = self.move_aside(step) or "checkpoints.corrupt/ (by process 0)"
                 log.warning("%s; moved to %s, falling back to the previous checkpoint", e, moved)
         return None
 
-    def move_aside(self, step: int) -> Path:
+    def move_aside(self, step: int) -> Path | None:
         """Move checkpoint `step` out of the run's checkpoints (into `corrupt_directory`, never
-        deleted) so that a later save of the same step does not collide with it."""
+        deleted) so that a later save of the same step does not collide with it. With several
+        processes every one calls this (they judged the step alike: its digests are global);
+        process 0 alone moves it, the others wait for it and get None."""
         self._mngr.wait_until_finished()
-        src = self.directory / str(step)
-        stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
-        dst = self.corrupt_directory / f"{step}-{stamp}"
-        n = 1
-        while dst.exists():
-            dst, n = self.corrupt_directory / f"{step}-{stamp}-{n}", n + 1
-        self.corrupt_directory.mkdir(parents=True, exist_ok=True)
-        shutil.move(str(src), str(dst))
+        dst = None
+        if jax.process_index() == 0:
+            src = self.directory / str(step)
+            stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
+            dst = self.corrupt_directory / f"{step}-{stamp}"
+            n = 1
+            while dst.exists():
+                dst, n = self.corrupt_directory / f"{step}-{stamp}-{n}", n + 1
+            self.corrupt_directory.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(src), str(dst))
+        sync_processes(f"sparserl_checkpoint_move_aside_{step}")
         self._mngr.reload()
         return dst
 
@@ -194,6 +199,14 @@ class CheckpointManager:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def sync_processes(name: str) -> None:
+    """Wait until every process of a multi-process run reached `name` (a no-op in one)."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
 
 
 @jax.jit

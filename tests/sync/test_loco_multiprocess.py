@@ -10,11 +10,7 @@ and so must the same run done inside this process on two fake CPU devices (topol
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
-import time
 
 import jax
 import optax
@@ -23,13 +19,13 @@ import pytest
 from benchmarks.bigram import chain, sample
 from benchmarks.loco import build_model, next_token_loss
 from sparserl_jax.sync import loco
-from sparserl_jax.sync.loco_runtime import LoCoTrainer, init_cpu_distributed, replica_mesh
+from sparserl_jax.sync.loco_runtime import LoCoTrainer, replica_mesh
+from sparserl_jax.testing.processes import join, run_processes
 
 pytestmark = pytest.mark.slow
 
 H, R, ROUNDS, BATCH, LENGTH, LR = 3, 2, 3, 4, 9, 1e-4
 PAYLOADS = ("index", "bitmask", "coded")
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WALL_S = 240  # both children together; they normally finish in ~45 s (three runs each)
 
 
@@ -56,48 +52,9 @@ def run_rounds(mesh, payload: str) -> list[dict]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_agree_bit_for_bit(tmp_path):
-    port = free_port()
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     outs = [tmp_path / f"process{p}.json" for p in range(R)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), str(p), str(R), str(port), str(outs[p])],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for p in range(R)
-    ]
-    deadline, logs = time.monotonic() + WALL_S, []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            logs.append(out)
-    except subprocess.TimeoutExpired as err:
-        for proc in procs:
-            proc.kill()
-        tails = [(proc.communicate()[0] or "")[-2000:] for proc in procs]
-        msg = f"children did not finish in {WALL_S} s:\n" + "\n---\n".join(tails)
-        raise AssertionError(msg) from err
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for p, proc in enumerate(procs):
-        assert proc.returncode == 0, f"process {p} exited {proc.returncode}:\n{logs[p][-3000:]}"
-
+    run_processes(__file__, [[o] for o in outs], devices_per_process=1, wall_s=WALL_S)
     results = [json.loads(o.read_text()) for o in outs]
     for fmt in PAYLOADS:
         for k in range(ROUNDS):
@@ -126,13 +83,12 @@ def test_two_processes_agree_bit_for_bit(tmp_path):
         assert single[k]["sent_bytes"] == results[0]["coded"][k]["sent_bytes"]
 
 
-def child(process_id: int, num_processes: int, port: int, out_path: str) -> None:
+def child(out_path: str) -> None:
     # Same numerics settings as tests/conftest.py, which a child does not load.
     jax.config.update("jax_numpy_rank_promotion", "raise")
     jax.config.update("jax_default_matmul_precision", "highest")
-    init_cpu_distributed(f"localhost:{port}", num_processes, process_id, timeout_s=30)
     try:
-        result = {fmt: run_rounds(replica_mesh(num_processes), fmt) for fmt in PAYLOADS}
+        result = {fmt: run_rounds(replica_mesh(jax.process_count()), fmt) for fmt in PAYLOADS}
         with open(out_path, "w") as f:
             json.dump(result, f)
     finally:
@@ -140,4 +96,4 @@ def child(process_id: int, num_processes: int, port: int, out_path: str) -> None
 
 
 if __name__ == "__main__":
-    child(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
+    child(*join(sys.argv))

@@ -28,8 +28,9 @@ import time
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from sparserl_jax.sync import codec
 from sparserl_jax.sync.errors import CorruptPatchError, MissingVersionError, RunMismatchError
@@ -97,9 +98,23 @@ class PartPublisher:
             self._versions = open_transport(VERSIONS)
             self._parts = [open_transport(part_location(q)) for q in range(self.parts)]
 
+    @property
+    def version(self) -> int | None:
+        return self.publisher.version
+
+    @property
+    def sent_bits(self):
+        """The last published state's bits (global arrays, as the master is laid out)."""
+        return self.publisher.sent_bits
+
     def publish(self, master) -> Published:
-        """Publish this process's part of the next version (and, on the leader, its manifest)."""
+        """Publish this process's part of the next version (and, on the leader, its manifest).
+
+        Every process then joins one small all-reduce (two uint32 per leaf: the leaves'
+        digests, summed over the parts), after its blob is written: `state_digest` is the
+        digest of the whole state, as a `PartsReceiver` computes it."""
         out = self.publisher.publish(master)
+        self.leaf_digests = self._combined_digests()
         if self._versions is not None:
             kinds = [k for k, blob in (("anchor", out.anchor), ("patch", out.patch)) if blob]
             self._wait_for_parts(out.version, kinds)
@@ -113,6 +128,20 @@ class PartPublisher:
             }
             self._versions.put(out.version, "patch", json.dumps(manifest).encode())
         return out
+
+    @property
+    def state_digest(self) -> str:
+        """The digest of the last published whole state (`codec.state_digest` of the leaves)."""
+        return codec.state_digest(self.publisher.leaf_specs, self.leaf_digests)
+
+    def _combined_digests(self) -> dict[str, np.ndarray]:
+        specs = self.publisher.leaf_specs
+        local = np.zeros((len(specs), 2), np.uint32)
+        for name, (leaf, _) in self.publisher._blocks.items():
+            local[leaf] += np.asarray(self.publisher._digests[name], np.uint32)  # lanes wrap
+        if jax.process_count() > 1:
+            local = _sum_over_processes(local)
+        return {s.name: local[i] for i, s in enumerate(specs)}
 
     def _wait_for_parts(self, version: int, kinds: list[str]) -> None:
         deadline = time.monotonic() + self.timeout_s
@@ -129,6 +158,23 @@ class PartPublisher:
                     "(are those trainer processes alive?)"
                 )
             time.sleep(self.poll_s)
+
+
+def _sum_over_processes(x: np.ndarray) -> np.ndarray:
+    """`x` (uint32, the same shape in every process) summed over the processes, mod 2**32: one
+    all-reduce over a device of each process."""
+    first = {}
+    for d in jax.devices():
+        first.setdefault(d.process_index, d)
+    mesh = Mesh(np.array([first[p] for p in sorted(first)]), ("p",))
+    stacked = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, PartitionSpec("p")), x[None]
+    )
+    total = jax.jit(
+        lambda a: jnp.sum(a, axis=0, dtype=jnp.uint32),
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
+    )(stacked)
+    return np.asarray(total.addressable_data(0))
 
 
 def read_manifest(blob: bytes) -> dict:
@@ -167,8 +213,11 @@ def read_manifest(blob: bytes) -> dict:
 class PartsReceiver:
     """Follows a publish spread over processes and holds the whole weights on `sharding`.
 
+    `sync(location)` takes the location's sub-transports (`open_transport`, as given to the
+    `PartPublisher`s); it has `Receiver`'s interface otherwise (`version`, `state_digest`,
+    `tree`, `sharding_of`), so a `Sampler` holds either.
+
     Args:
-      open_transport: the location's sub-transports (as given to the `PartPublisher`s).
       sharding: per leaf name, its `Sharding` here (mapping or `(name, shape) -> Sharding`).
       run_id: the run to follow (None: the first manifest's).
       block_device: where the per-part receivers keep the blocks (default: the first local CPU
@@ -177,14 +226,13 @@ class PartsReceiver:
 
     def __init__(
         self,
-        open_transport: OpenTransport,
         sharding: ShardingSpec,
         *,
         run_id: str | None = None,
         block_device: jax.Device | None = None,
     ):
-        self._open = open_transport
-        self._versions = open_transport(VERSIONS)
+        self._open: OpenTransport | None = None
+        self._versions: Transport | None = None
         self._sharding = sharding
         self.run_id = None if run_id is None else check_run_id(run_id)
         device = block_device or jax.local_devices(backend="cpu")[0]
@@ -195,6 +243,8 @@ class PartsReceiver:
         self._parts: list[Receiver] = []
         self._transports: list[Transport] = []
         self._assembled_from: dict[str, tuple] = {}  # leaf -> the block arrays it was built from
+        self.leaf_digests: dict[str, np.ndarray] = {}
+        self.state_digest: str | None = None
 
     def sharding_of(self, name: str, shape: tuple[int, ...]):
         if callable(self._sharding):
@@ -238,9 +288,13 @@ class PartsReceiver:
             for _ in range(m["parts"])
         ]
 
-    def sync(self, target: int | None = None) -> list[ApplyEvent]:
+    def sync(self, location: OpenTransport, target: int | None = None) -> list[ApplyEvent]:
         """Bring every part to `target` (default: the newest manifest) and swap in the whole
         state. Raises `SyncError` (the held weights stay at the last good version)."""
+        if self._open is None:
+            self._open, self._versions = location, location(VERSIONS)
+        elif location is not self._open:
+            raise ValueError("a PartsReceiver follows one location (make another for another)")
         available = self._versions.versions("patch")
         if target is None:
             if not available:
@@ -263,9 +317,13 @@ class PartsReceiver:
             for name, arr in receiver.arrays.items():
                 leaf, starts = parse_box_name(name)
                 blocks.setdefault(leaf, []).append((starts, arr, receiver.digests[name]))
-        arrays, pending = dict(self.arrays), {}
+        arrays, pending, digests = dict(self.arrays), {}, {}
         for spec in self.leaf_specs:
             held = blocks.get(spec.name, [])
+            want = np.zeros(2, np.uint32)
+            for _, _, d in held:
+                want = want + np.asarray(d, np.uint32)  # lanes wrap mod 2**32
+            digests[spec.name] = want
             covered = sum(math.prod(a.shape) for _, a, _ in held)
             if covered != spec.numel:
                 raise CorruptPatchError(
@@ -277,9 +335,6 @@ class PartsReceiver:
             if len(last) == len(source) and all(a is b for a, b in zip(last, source, strict=True)):
                 continue  # no block of this leaf changed (an apply replaces what it changes)
             arrays[spec.name] = _assemble_leaf(spec, held, self.sharding_of(spec.name, spec.shape))
-            want = np.zeros(2, np.uint32)
-            for _, _, d in held:
-                want = want + np.asarray(d, np.uint32)  # lanes wrap mod 2**32
             pending[spec.name] = (digest_of(arrays[spec.name]), want)
         bad = [n for n, (got, want) in pending.items() if not np.array_equal(np.asarray(got), want)]
         if bad:
@@ -287,7 +342,8 @@ class PartsReceiver:
                 f"version {version}: assembled leaves {bad[:5]} do not match their blocks' "
                 f"digests; weights left at version {self.version}"
             )
-        self.arrays, self.version = arrays, version
+        self.arrays, self.version, self.leaf_digests = arrays, version, digests
+        self.state_digest = codec.state_digest(self.leaf_specs, digests)
         for spec in self.leaf_specs:
             self._assembled_from[spec.name] = tuple(a for _, a, _ in blocks[spec.name])
 

@@ -99,10 +99,14 @@ def test_one_process_parts_equal_a_single_publisher(tmp_path):
     loc = kvstore_location(f"file://{tmp_path}")
     parts = PartPublisher(loc, run_id=RUN, part=0, parts=1)
     single = Publisher(InProcessTransport(), run_id=RUN)
+    digests = []
     for v in range(VERSIONS_N):
         m = master(SMALL, mesh, v)
         parts.publish(m)
         single.publish(m)
+        # The whole state's digest is the one a single publisher of the leaves sends.
+        assert parts.state_digest == single.state_digest
+        digests.append(single.state_digest)
     # The blocks' digests (each element hashed at its index in the leaf) add up to the leaf's.
     sums = {}
     for name, d in parts.publisher._digests.items():
@@ -113,10 +117,11 @@ def test_one_process_parts_equal_a_single_publisher(tmp_path):
         np.testing.assert_array_equal(d, single._digests[leaf])
     assert len(parts.publisher.specs) == 8 + 1  # w: one block per device; b: one replica
     for n in (1, 2, 8):
-        rc = PartsReceiver(loc, receiver_sharding(jax.devices()[:n]))
+        rc = PartsReceiver(receiver_sharding(jax.devices()[:n]))
         for v in range(VERSIONS_N):
-            rc.sync(v)
+            rc.sync(loc, v)
             assert rc.version == v
+            assert rc.state_digest == digests[v]
         for name, held in rc.arrays.items():
             np.testing.assert_array_equal(_bits(held), _bits(single.sent_bits[name[2:-2]]))
 
@@ -131,21 +136,21 @@ def test_a_bad_manifest_or_a_missing_part_is_refused(tmp_path):
     assert loc(VERSIONS).versions("patch") == []  # no READY for the incomplete version
     loc(VERSIONS).put(0, "patch", b'{"format": 1, "version": 0}')
     with pytest.raises(CorruptPatchError, match="malformed parts manifest"):
-        PartsReceiver(loc, receiver_sharding(jax.devices()[:1])).sync()
+        PartsReceiver(receiver_sharding(jax.devices()[:1])).sync(loc)
     # A block whose bits were altered in storage: its receiver refuses the part, nothing swaps.
     good = kvstore_location(f"file://{tmp_path}/good")
     pub = PartPublisher(good, run_id=RUN, part=0, parts=1)
     pub.publish(master(SMALL, mesh, 0))
     pub.publish(master(SMALL, mesh, 1))
-    rc = PartsReceiver(good, receiver_sharding(jax.devices()[:2]))
-    rc.sync(0)
+    rc = PartsReceiver(receiver_sharding(jax.devices()[:2]))
+    rc.sync(good, 0)
     held = {k: _bits(v).copy() for k, v in rc.arrays.items()}
     t = good(part_location(0))
     blob = bytearray(t.get(1, "patch"))
     blob[-5] ^= 0xFF
     t.put(1, "patch", bytes(blob))
     with pytest.raises(MissingVersionError):
-        rc.sync(1)
+        rc.sync(good, 1)
     assert rc.version == 0
     for k, v in rc.arrays.items():
         np.testing.assert_array_equal(_bits(v), held[k])
@@ -163,13 +168,15 @@ def test_two_processes_publish_their_shards_without_gathering(tmp_path):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("p", "d"))
     single = Publisher(InProcessTransport(), run_id=RUN)
     loc = kvstore_location(f"file://{sync_dir}")
-    receivers = {n: PartsReceiver(loc, receiver_sharding(jax.devices()[:n])) for n in (1, 2, 8)}
+    receivers = {n: PartsReceiver(receiver_sharding(jax.devices()[:n])) for n in (1, 2, 8)}
     part_bytes, single_bytes = [], []
     for v in range(VERSIONS_N):
         out = single.publish(master(shapes, mesh, v))
+        for r in results:  # each process's digest of the whole state (its small all-reduce)
+            assert r["state_digests"][v] == single.state_digest
         for n, rc in receivers.items():
-            rc.sync(v)
-            assert rc.version == v
+            rc.sync(loc, v)
+            assert rc.version == v and rc.state_digest == single.state_digest
             for name, held in rc.arrays.items():
                 want = _bits(single.sent_bits[name[2:-2]])
                 np.testing.assert_array_equal(_bits(held), want, err_msg=f"{n} devices, v{v}")
@@ -219,7 +226,7 @@ def child(sync_dir: str, out_path: str) -> None:
         mesh = Mesh(np.array(devices).reshape(2, 4), ("p", "d"))
         shapes = {**SMALL, **BIG}
         pub = PartPublisher(kvstore_location(f"file://{sync_dir}"), run_id=RUN)
-        peaks = []
+        peaks, state_digests = [], []
         for v in range(VERSIONS_N):
             m = master(shapes, mesh, v)
             jax.block_until_ready(m)
@@ -227,11 +234,13 @@ def child(sync_dir: str, out_path: str) -> None:
             pub.publish(m)
             peaks.append(tracemalloc.get_traced_memory()[1])
             tracemalloc.stop()
+            state_digests.append(pub.state_digest)
         result = {
             "blocks": [s.name for s in pub.publisher.specs],
             "gathered_bytes": gathered[0],
             "anchor_peak_bytes": peaks[0],
             "patch_peak_bytes": peaks[1:],
+            "state_digests": state_digests,
         }
         with open(out_path, "w") as f:
             json.dump(result, f)

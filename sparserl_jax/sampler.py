@@ -30,6 +30,7 @@ from sparserl_jax.rollout import RolloutConfig, RolloutEngine, RolloutResult
 from sparserl_jax.rollout.shards import check_split
 from sparserl_jax.sync import ApplyEvent, Receiver, Transport, leaf_names
 from sparserl_jax.sync.mask import from_bits, published_dtype
+from sparserl_jax.sync.parts import OpenTransport, PartsReceiver
 
 __all__ = [
     "Sampler",
@@ -134,7 +135,7 @@ class Sampler:
     With a compressed KV cache, `set_kv_budget` switches both to another budget (the adaptive
     budget, `kvcache.adaptive`); `kv_budget` is the one in use (None when dense)."""
 
-    receiver: Receiver
+    receiver: Receiver | PartsReceiver  # parts: a trainer of several processes (`sync.parts`)
     treedef: Any
     names: list[str]
     like: Any  # the parameter tree's shapes and dtypes
@@ -204,9 +205,9 @@ class Sampler:
         """The weight version the sampler holds."""
         return self.receiver.version
 
-    def sync(self, transport: Transport) -> list[ApplyEvent]:
+    def sync(self, transport: Transport | OpenTransport) -> list[ApplyEvent]:
         """Apply every patch (or anchor) newer than the held version; each event says whether it
-        was verified bit-identical."""
+        was verified bit-identical. A `PartsReceiver` takes the location's sub-transports."""
         return self.receiver.sync(transport)
 
     def params(self):

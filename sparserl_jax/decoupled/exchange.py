@@ -231,6 +231,19 @@ class Exchange:
         spec["path"] = spec.get("path", "") + f"sync/e{epoch:06d}/"
         return KvStoreTransport(spec, context=self.context, timeout=self.timeout)
 
+    def sync_location(self, epoch: int):
+        """The sub-transports under incarnation `epoch`'s PULSESync prefix (`sync.parts`'s
+        `open_transport`): where a trainer of several processes publishes its parts."""
+        spec = self._kv.spec().to_json()
+        base = spec.get("path", "") + f"sync/e{epoch:06d}/"
+
+        def open_sub(sub: str) -> KvStoreTransport:
+            return KvStoreTransport(
+                {**spec, "path": base + sub}, context=self.context, timeout=self.timeout
+            )
+
+        return open_sub
+
     def put_pulse(self, name: str, payload: dict[str, Any]) -> None:
         """A job's heartbeat (`trainer/heartbeat`, `samplers/<id>`)."""
         if name.startswith("trainer/"):

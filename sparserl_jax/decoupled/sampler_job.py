@@ -42,6 +42,7 @@ from sparserl_jax.parallel import make_mesh
 from sparserl_jax.rollout import RolloutAborted
 from sparserl_jax.sampler import Sampler, sampler_shardings
 from sparserl_jax.sync import Receiver, SyncError
+from sparserl_jax.sync.parts import PartsReceiver
 
 __all__ = ["GAVE_UP", "run_sampler"]
 
@@ -200,6 +201,18 @@ def _covers(items: list[WorkItem]) -> bool:
     return sum(len(item.prompts) for item in items) == items[0].batch_size
 
 
+def follow_epoch(ex: Exchange, epoch: int, sampler: Sampler):
+    """Give `sampler` a new receiver for trainer incarnation `epoch`'s weights; returns what its
+    `sync` takes. A trainer of several processes publishes parts (its epoch record says how
+    many, `sync_parts`): a `PartsReceiver` assembles them on the sampler's shardings."""
+    record = ex.epoch_record(epoch) or {}
+    if record.get("sync_parts"):
+        sampler.receiver = PartsReceiver(sampler.receiver.sharding_of)
+        return ex.sync_location(epoch)
+    sampler.receiver = Receiver(sampler.receiver.sharding_of)
+    return ex.sync_transport(epoch)
+
+
 def run_sampler(
     cfg: Config, sampler_id: str, *, url: str, log_fn=print, exchange: Exchange | None = None
 ) -> dict:
@@ -259,8 +272,7 @@ def run_sampler(
             continue
         try:
             if hb["epoch"] != epoch:  # a (re)started trainer: follow its new sync chain
-                epoch, transport = hb["epoch"], ex.sync_transport(hb["epoch"])
-                sampler.receiver = Receiver(sampler.receiver.sharding_of)
+                epoch, transport = hb["epoch"], follow_epoch(ex, hb["epoch"], sampler)
                 log_fn(f"sampler {sampler_id}: following trainer epoch {epoch}")
             for e in sampler.sync(transport):
                 state = "verified bit-identical" if e.error is None else f"refused: {e.error}"

@@ -3,6 +3,7 @@
 sparserl train CONFIG.yaml [dotted.key=value ...]      RL post-training (see sparserl_jax.train)
 sparserl generate CONFIG.yaml [dotted.key=value ...]   generate with a model (sparserl_jax.generate)
 sparserl trainer CONFIG.yaml [k=v ...]                 the decoupled trainer job (docs/decoupled.md)
+    [--coordinator HOST:PORT --num-processes P --process-id I]   one of P trainer processes
 sparserl sampler CONFIG.yaml --id I [k=v ...]          a decoupled sampler job
 sparserl launch CONFIG.yaml --samplers N [k=v ...]     the trainer and N samplers, locally
 
@@ -24,6 +25,7 @@ from sparserl_jax.config import ConfigError, load_config, to_dict
 from sparserl_jax.decoupled.config import check_partial_cache, refuse_adaptive_kv
 from sparserl_jax.decoupled.exchange import SupersededError
 from sparserl_jax.decoupled.launch import launch, parse_cpus
+from sparserl_jax.decoupled.processes import init_processes
 from sparserl_jax.decoupled.sampler_job import run_sampler
 from sparserl_jax.decoupled.trainer import exchange_url, run_trainer
 from sparserl_jax.generate import run_generate
@@ -47,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     tr = sub.add_parser("train", help="RL post-training: rollouts, rewards, learner, sync")
     gen = sub.add_parser("generate", help="generate text with a model from a config")
     job = sub.add_parser("trainer", help="decoupled trainer job: learner, data, checkpoints")
+    job.add_argument("--coordinator", help="HOST:PORT of trainer process 0 (jax.distributed)")
+    job.add_argument("--num-processes", type=int, help="trainer processes (with --coordinator)")
+    job.add_argument("--process-id", type=int, help="this trainer process's index, 0 = leader")
     smp = sub.add_parser("sampler", help="decoupled sampler job: pulls weights, returns rollouts")
     smp.add_argument("--id", required=True, help="this sampler's id (any short name)")
     lau = sub.add_parser("launch", help="the trainer and N samplers as local subprocesses")
@@ -65,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.overrides = [*getattr(args, "overrides", []), *extra]
     try:
+        if args.command == "trainer":  # before anything touches a JAX backend
+            init_processes(args.coordinator, args.num_processes, args.process_id)
         cfg = load_config(args.config, args.overrides)
         if args.command in ("trainer", "sampler", "launch"):
             refuse_adaptive_kv(cfg.rollout)

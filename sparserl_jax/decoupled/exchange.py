@@ -195,9 +195,10 @@ class Exchange:
         return epoch
 
     def update_epoch(self, epoch: int, record: dict[str, Any]) -> None:
-        """Complete incarnation `epoch`'s record (its start version, known after the restore)."""
+        """Complete incarnation `epoch`'s record (its start version, known after the restore):
+        `record`'s keys replace or join those it was begun with."""
         self.check_fence()
-        body = json.dumps({**record, "epoch": epoch}).encode()
+        body = json.dumps({**(self.epoch_record(epoch) or {}), **record, "epoch": epoch}).encode()
         self.write(f"trainer/epoch-{epoch:06d}", body)
 
     def fence(self, epoch: int) -> None:
@@ -354,6 +355,14 @@ class Exchange:
 
     def ready_rollouts(self) -> set[int]:
         return set(self._ids("READY/rollouts/"))
+
+    def rollout_sha256(self, item_id: int) -> str | None:
+        """The checksum the READY marker of `item_id`'s rollout holds (None when not READY)."""
+        marker, _ = self.read(f"READY/rollouts/{_id(item_id)}")
+        try:
+            return None if marker is None else str(json.loads(marker)["sha256"])
+        except (ValueError, KeyError, TypeError):
+            return None
 
     def rollout(self, item_id: int) -> Rollout | None:
         """The READY rollout of `item_id` (None when not READY); its bytes must match the

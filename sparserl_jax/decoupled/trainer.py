@@ -24,12 +24,10 @@ id on the epoch's own key prefix.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,10 +47,12 @@ from sparserl_jax.data import (
     resume_iterator,
     try_reward_fn,
 )
+from sparserl_jax.decoupled import processes
 from sparserl_jax.decoupled.config import check_partial_cache, refuse_adaptive_kv
 from sparserl_jax.decoupled.evaluate import Evaluator
-from sparserl_jax.decoupled.exchange import Exchange, Rollout, SamplerWatch, SupersededError
+from sparserl_jax.decoupled.exchange import Exchange, Rollout
 from sparserl_jax.decoupled.ledger import Ledger
+from sparserl_jax.decoupled.pulse import Pulse
 from sparserl_jax.decoupled.queue import WorkQueue
 from sparserl_jax.metrics import (
     MetricsWriter,
@@ -145,6 +145,10 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     refuse_adaptive_kv(cfg.rollout)
     check_partial_cache(cfg.async_, cfg.rollout)
     check_config(cfg)
+    if processes.multi_process():  # several processes: refused parts first, then the roles
+        processes.refuse(cfg)
+        if jax.process_index() != 0:
+            return processes.run_follower(cfg, log_fn=log_fn)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
@@ -154,11 +158,12 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     ex.check_conditional_writes()
     # Register this incarnation before reading the checkpoint, and fence the handle to it: a
     # trainer started earlier (or one that wakes up) stops at its next write.
-    epoch = ex.begin_epoch({"pid": os.getpid(), "starting": True})
+    parts = jax.process_count() if processes.multi_process() else None
+    epoch = ex.begin_epoch({"pid": os.getpid(), "starting": True, "sync_parts": parts})
     ex.fence(epoch)
     # Beat from the start: samplers see a trainer alive through the restore and the warm start
     # (and a relaunched run's new beat replaces the last one's `done`).
-    pulse = _Pulse(ex, cfg.exchange.lease_s, steps=cfg.train.steps, period=cfg.exchange.pulse_s)
+    pulse = Pulse(ex, cfg.exchange.lease_s, steps=cfg.train.steps, period=cfg.exchange.pulse_s)
     pulse.start()
     try:
         return _run(cfg, ex, epoch, pulse, log_fn)
@@ -166,7 +171,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
         pulse.finish(done=False)  # a no-op after the run's own last beat
 
 
-def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
+def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
     tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
     run_dir = Path(cfg.run_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
@@ -187,14 +192,24 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
     ledger = Ledger(run_dir)
     ledger.truncate(qstate["ledger"] if qstate else {})
     kept = truncate_metrics(run_dir, start_step)
-    ex.update_epoch(epoch, {"start_version": version, "step": start_step, "pid": os.getpid()})
-    publisher = Publisher(
-        ex.sync_transport(epoch),
-        config=cfg.sync,
-        start_version=version,
-        run_id=meta.get("sync_run_id"),
+    ex.update_epoch(
+        epoch, {"start_version": version, "step": start_step, "pid": os.getpid(), "starting": False}
     )
+    if processes.multi_process():  # every process publishes its shards (`sync.parts`)
+        run_id = meta.get("sync_run_id")
+        processes.share_start(
+            {"epoch": epoch, "step": start_step, "version": version, "run_id": run_id}
+        )
+        publisher = processes.publisher(ex, epoch, cfg, version, run_id)
+    else:
+        publisher = Publisher(
+            ex.sync_transport(epoch),
+            config=cfg.sync,
+            start_version=version,
+            run_id=meta.get("sync_run_id"),
+        )
     publisher.publish(state.params)
+    events = processes.Events(ex, epoch)
     usable = _Usable(ex, epoch, acfg.max_staleness)
     usable.digests = {int(k): v for k, v in meta.get("digests", {}).items()}
     usable.digests[publisher.version] = publisher.state_digest
@@ -236,6 +251,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
 
     def save(step: int) -> None:
         ex.check_fence()  # a superseded trainer writes no checkpoint
+        events.save(step)
         keep = range(publisher.version - acfg.max_staleness, publisher.version + 1)
         meta = {
             "data_state": iterator_state(queue.data_it),
@@ -269,6 +285,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
             result = RolloutResult.concat([r.result for r in rollouts])
             staleness_i = [publisher.version - r.weight_version for r in rollouts]
             tokens = _token_staleness(result, publisher.version)
+            events.step(step, items, rollouts)
             out = learn_step(
                 cfg,
                 learner,
@@ -341,6 +358,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: _Pulse, log_fn) -> dict:
                 save(step)
     if saved[-1] != step:  # stopped by a signal while waiting for a rollout
         save(step)
+    events.stop(step)
     (run_dir / "pending.json").write_text(json.dumps(queue.pending_batches()))
     done = not guard.requested
     if done:
@@ -381,61 +399,3 @@ def _token_staleness(result: RolloutResult, version: int) -> dict[str, float]:
         "async/token_staleness_max": int(stale.max(initial=0)),
         "async/spanning_versions_fraction": float(np.mean(tv.max(axis=1) > lo)),
     }
-
-
-class _Pulse(threading.Thread):
-    """The trainer's heartbeat, from a side thread every `period` s (so a long restore, compile or
-    update never looks like a dead trainer), and its view of the samplers': a sampler is alive
-    while its pulse changes within `lease_s` of this process's clock.
-
-    Until `follow` names the incarnation it beats `starting` (no epoch: samplers wait); its last
-    beat says `done` and the step reached, of a run of `steps` steps."""
-
-    def __init__(self, exchange: Exchange, lease_s: float, *, steps: int, period: float = 1.0):
-        super().__init__(daemon=True)
-        self.ex, self.steps, self.period = exchange, steps, period
-        self.epoch: int | None = None
-        self.step = self.version = 0
-        self._stop_event = threading.Event()
-        self._finished = False
-        self.watch = SamplerWatch(exchange, lease_s)
-        self.superseded: SupersededError | None = None
-
-    def follow(self, epoch: int, step: int, version: int) -> None:
-        self.epoch, self.step, self.version = epoch, step, version
-
-    def _beat(self, done: bool) -> None:
-        payload = {"epoch": self.epoch, "step": self.step, "version": self.version}
-        payload |= {"done": done, "steps": self.steps, "starting": self.epoch is None}
-        self.ex.put_pulse("trainer/heartbeat", {**payload, "time": time.time()})
-
-    def run(self) -> None:
-        while True:
-            try:
-                self._beat(False)
-            except SupersededError as e:  # a newer trainer: never beat again
-                self.superseded = e
-                return
-            except (ValueError, OSError, RuntimeError):
-                pass  # the exchange briefly unreachable: the next beat tries again
-            if self._stop_event.wait(self.period):
-                return
-
-    def check(self) -> None:
-        """Raise the `SupersededError` the beating thread met, if it met one."""
-        if self.superseded is not None:
-            raise self.superseded
-
-    def finish(self, done: bool) -> None:
-        """Stop beating; the last beat says whether the run is done (samplers then exit)."""
-        if self._finished:
-            return
-        self._finished = True
-        self._stop_event.set()
-        self.join()
-        if self.superseded is None:
-            with contextlib.suppress(ValueError, OSError, RuntimeError):
-                self._beat(done)
-
-    def samplers_alive(self) -> int:
-        return len(self.watch.alive())

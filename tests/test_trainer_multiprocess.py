@@ -1,0 +1,90 @@
+"""`sparserl trainer` as two processes (`--coordinator/--num-processes/--process-id`, one CPU
+device each, gloo) with one sampler: process 0 leads (queue, ledger, metrics, verdicts), process
+1 follows its events; both train every step together, publish their shards and save together.
+The run completes, the ledger is exactly-once, every consumed rollout was made with weights the
+sampler verified bit-identical (assembled from the two parts), and a relaunch with more steps
+resumes from the checkpoint both processes saved."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sparserl_jax.decoupled.ledger import Ledger, check_exactly_once
+from sparserl_jax.testing import child_env
+from sparserl_jax.testing.processes import free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny.yaml")
+FAST = ["data.batch_size=4", "sft.steps=0", "train.eval_examples=0", "exchange.lease_s=20"]
+WALL_S = 300
+
+
+def _run(tmp_path: Path, steps: int, tag: str) -> list[str]:
+    run = tmp_path / "run"
+    common = [TINY, f"run_dir={run}", f"train.steps={steps}", "train.save_every=2", *FAST]
+    port = free_port()
+    cmds = [
+        ["trainer", *common, "--coordinator", f"localhost:{port}", "--num-processes", "2",
+         "--process-id", str(p)]
+        for p in range(2)
+    ] + [["sampler", *common, "--id", "0"]]  # fmt: skip
+    logs = [tmp_path / f"{tag}-{i}.log" for i in range(3)]
+    procs = []
+    for cmd, log in zip(cmds, logs, strict=True):
+        with log.open("wb") as f:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "sparserl_jax", *cmd],
+                    cwd=ROOT,
+                    env=child_env(),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        codes = [p.wait(timeout=WALL_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    texts = [log.read_text() for log in logs]
+    for code, text in zip(codes, texts, strict=True):
+        assert code == 0, text[-3000:]
+    return texts
+
+
+def _verified(text: str) -> set[tuple[int, int]]:
+    epoch, out = None, set()
+    for line in text.splitlines():
+        if m := re.search(r"following trainer epoch (\d+)", line):
+            epoch = int(m.group(1))
+        if m := re.search(r"(?:anchor|patch) (\d+) verified bit-identical", line):
+            out.add((epoch, int(m.group(1))))
+    return out
+
+
+def test_two_trainer_processes_and_a_sampler_complete_exactly_once(tmp_path):
+    leader, follower, sampler = _run(tmp_path, 3, "first")
+    run = tmp_path / "run"
+    summary = json.loads(leader.strip().splitlines()[-1])
+    assert summary["end_step"] == 3
+    assert json.loads(follower.strip().splitlines()[-1])["end_step"] == 3
+    assert check_exactly_once(run)["steps"] == 3
+    verified = _verified(sampler)
+    rows = Ledger(run).rows("consumed")
+    assert rows
+    for r in rows:
+        assert r["verified"] and (r["rollout_epoch"], r["weight_version"]) in verified, r
+    # Relaunched with more steps: both processes resume from the step-3 checkpoint.
+    leader, follower, sampler = _run(tmp_path, 5, "second")
+    assert json.loads(leader.strip().splitlines()[-1])["start_step"] == 3
+    assert json.loads(follower.strip().splitlines()[-1])["end_step"] == 5
+    assert check_exactly_once(run)["steps"] == 5

@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     lau.add_argument("--samplers", type=int, required=True, help="how many sampler jobs")
     lau.add_argument("--trainer-cpus", help="pin the trainer to these CPUs, e.g. 0-7 (Linux)")
     lau.add_argument("--sampler-cpus", help="pin every sampler to these CPUs, e.g. 8-15")
+    lau.add_argument("--trainer-processes", type=int, default=1, help="trainer processes")
     debug_help = "re-raise errors with the traceback instead of a one-line message"
     parser.add_argument("--debug", action="store_true", help=debug_help)
     for p in (tr, gen, job, smp, lau):
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"--samplers must be >= 1, got {args.samplers}")
             pins = {"trainer_cpus": parse_cpus(args.trainer_cpus)}
             pins["sampler_cpus"] = parse_cpus(args.sampler_cpus)
+            pins["trainer_processes"] = args.trainer_processes
     except USAGE_ERRORS as e:
         if args.debug:
             raise

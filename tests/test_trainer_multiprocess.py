@@ -88,3 +88,50 @@ def test_two_trainer_processes_and_a_sampler_complete_exactly_once(tmp_path):
     assert json.loads(leader.strip().splitlines()[-1])["start_step"] == 3
     assert json.loads(follower.strip().splitlines()[-1])["end_step"] == 5
     assert check_exactly_once(run)["steps"] == 5
+
+
+def test_launch_two_trainer_processes_one_killed_then_the_same_command_completes(tmp_path):
+    """`launch --trainer-processes 2`: trainer process 1 killed with -9 after checkpoint 2; the
+    launcher stops the other processes and exits non-zero within a bound, leaving none running;
+    the same command again resumes and completes, exactly once."""
+    import os
+    import signal
+    import time
+
+    from sparserl_jax.decoupled.launch import STOP_GRACE_S, TRAINER_PROCESS_DIED
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "sparserl_jax", "launch", TINY, "--samplers", "1"]
+    args += ["--trainer-processes", "2", f"run_dir={run}", "train.steps=6", "train.save_every=2"]
+    args += FAST
+    log = tmp_path / "launch.log"
+    with log.open("wb") as f:
+        launcher = subprocess.Popen(args, cwd=ROOT, env=child_env(), stdout=f, stderr=f)
+    try:
+        deadline = time.monotonic() + WALL_S
+        while not (run / "checkpoints" / "2").is_dir():
+            assert time.monotonic() < deadline and launcher.poll() is None, log.read_text()[-3000:]
+            time.sleep(0.1)
+        pids = [int(p) for p in re.findall(r"pid (\d+)", log.read_text())]
+        follower = int(re.search(r"trainer process 1 pid (\d+)", log.read_text()).group(1))
+        os.kill(follower, signal.SIGKILL)
+        t0 = time.monotonic()
+        code = launcher.wait(timeout=STOP_GRACE_S + 60)
+        assert code == TRAINER_PROCESS_DIED, log.read_text()[-3000:]
+        assert time.monotonic() - t0 < STOP_GRACE_S + 60
+        for pid in pids:  # no orphans
+            assert not os.path.exists(f"/proc/{pid}") or "zombie" in _state(pid), pid
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    with log.open("ab") as f:
+        again = subprocess.run(args, cwd=ROOT, env=child_env(), stdout=f, stderr=f, timeout=WALL_S)
+    assert again.returncode == 0, log.read_text()[-3000:]
+    assert check_exactly_once(run)["steps"] == 6
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return "zombie"

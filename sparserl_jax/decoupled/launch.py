@@ -10,6 +10,12 @@ exits non-zero, saying which samplers ended how. Otherwise the exit status is th
 samplers still running when it ends get `exchange.poll_s`-paced time to see the trainer's last
 heartbeat, then SIGTERM. `--trainer-cpus` / `--sampler-cpus` (Linux) pin the jobs to CPU sets,
 so the learner and the samplers do not take each other's cores.
+
+`--trainer-processes P` starts the trainer as P processes on a local coordinator
+(`run_dir/logs/trainer.log` is process 0's, `trainer-<p>.log` the others'). If any of them
+ends badly the others are stopped (SIGTERM, then SIGKILL after `STOP_GRACE_S`: one blocked in a
+collective with a dead peer never returns) and `launch` exits `TRAINER_PROCESS_DIED`; the same
+command again resumes from the newest checkpoint they saved together.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from pathlib import Path
 
 from sparserl_jax.config import Config
 
-__all__ = ["NO_SAMPLERS", "RESTARTS", "launch", "parse_cpus"]
+__all__ = ["NO_SAMPLERS", "RESTARTS", "TRAINER_PROCESS_DIED", "launch", "parse_cpus"]
 
 RESTARTS = 3  # per sampler, while the trainer runs
 NO_SAMPLERS = 4  # exit status: every sampler died, restarts spent; the trainer was stopped
+TRAINER_PROCESS_DIED = 6  # exit status: a process of a multi-process trainer ended badly
+STOP_GRACE_S = 30.0  # after SIGTERM, before SIGKILL
 WATCH_S = 0.5  # how often the children are looked at
 
 
@@ -73,22 +81,38 @@ def launch(
     *,
     trainer_cpus: set[int] | None = None,
     sampler_cpus: set[int] | None = None,
+    trainer_processes: int = 1,
     log_fn=print,
 ) -> int:
     """Start the jobs, watch them until the trainer ends, return its exit status (or
-    `NO_SAMPLERS`). `trainer_cpus` / `sampler_cpus`: CPU sets to pin the jobs to."""
+    `NO_SAMPLERS`, or `TRAINER_PROCESS_DIED`). `trainer_cpus` / `sampler_cpus`: CPU sets to pin
+    the jobs to. `trainer_processes`: P > 1 starts the trainer as P processes joined by
+    `jax.distributed` on a local coordinator (process 0 leads; `decoupled/processes.py`)."""
     if samplers < 1:
         raise ValueError(f"--samplers must be >= 1, got {samplers}")
+    if trainer_processes < 1:
+        raise ValueError(f"--trainer-processes must be >= 1, got {trainer_processes}")
     logs = Path(cfg.run_dir) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-m", "sparserl_jax"]
-    trainer = _spawn(
-        [*base, "trainer", config_path, *overrides],
-        logs / "trainer.log",
-        logs / "trainer.json",
-        trainer_cpus,
-    )
-    log_fn(f"launch: trainer pid {trainer.pid}, log {logs / 'trainer.log'}")
+    join = []
+    if trainer_processes > 1:
+        join = ["--coordinator", f"localhost:{_free_port()}"]
+        join += ["--num-processes", str(trainer_processes)]
+    trainers = []
+    for p in range(trainer_processes):
+        name = "trainer" if p == 0 else f"trainer-{p}"
+        ident = ["--process-id", str(p)] if join else []
+        trainers.append(
+            _spawn(
+                [*base, "trainer", config_path, *overrides, *join, *ident],
+                logs / f"{name}.log",
+                logs / f"{name}.json",
+                trainer_cpus,
+            )
+        )
+        log_fn(f"launch: trainer process {p} pid {trainers[p].pid}, log {logs / f'{name}.log'}")
+    trainer = trainers[0]
 
     def start_sampler(i: int) -> subprocess.Popen:
         log = logs / f"sampler-{i}.log"
@@ -103,7 +127,7 @@ def launch(
 
     def forward(signum, frame):
         del frame
-        for c in [trainer, *sampler.values()]:
+        for c in [*trainers, *sampler.values()]:
             if c.poll() is None:
                 c.send_signal(signum)
 
@@ -111,6 +135,13 @@ def launch(
     code = None
     try:
         while (code := trainer.poll()) is None:
+            dead = [(p, t.returncode) for p, t in enumerate(trainers) if t.poll() not in (None, 0)]
+            if dead:
+                how = ", ".join(f"process {p} exited {rc}" for p, rc in dead)
+                log_fn(f"launch: a trainer process died ({how}); stopping the others")
+                _stop(trainers)
+                code = TRAINER_PROCESS_DIED
+                break
             ended = {i: p.returncode for i, p in sampler.items() if p.poll() is not None}
             for i, rc in ended.items():
                 if rc != 0 and restarts[i] < RESTARTS:
@@ -123,12 +154,21 @@ def launch(
                     for i, p in sampler.items()
                 )
                 log_fn(f"launch: no sampler left ({how}); stopping the trainer")
-                trainer.terminate()
-                trainer.wait()
+                _stop(trainers)
                 code = NO_SAMPLERS
                 break
             time.sleep(WATCH_S)
         deadline = time.monotonic() + 10 * cfg.exchange.poll_s + 30
+        if code == 0:  # the followers end with the leader's stop event
+            for t in trainers[1:]:
+                try:
+                    t.wait(timeout=max(1.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    code = TRAINER_PROCESS_DIED
+                    log_fn("launch: a trainer process did not stop with process 0; stopped")
+        _stop(trainers)
+        if code == 0 and any(t.returncode != 0 for t in trainers[1:]):
+            code = TRAINER_PROCESS_DIED
         for c in sampler.values():
             try:
                 c.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -150,5 +190,28 @@ def launch(
         if line.startswith("summary: "):
             log_fn(line)
     ends = [c.returncode for c in sampler.values()]
-    log_fn(f"launch: trainer exited {trainer.returncode}; samplers {ends}")
+    log_fn(f"launch: trainer exited {[t.returncode for t in trainers]}; samplers {ends}")
     return code
+
+
+def _stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
+    """SIGTERM every process still running (a trainer checkpoints on it), SIGKILL what has not
+    ended after `grace_s` (one stuck in a collective with a dead peer never will)."""
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]

@@ -297,3 +297,17 @@ def test_fallback_past_a_damaged_step_prints_no_traceback(tmp_path, monkeypatch,
     gc.collect()
     assert unraisable == []
     assert [r.name for r in caplog.records] == ["sparserl_jax.checkpoint"]  # the one line
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [("train.eval_examples=4", "train.eval_examples"), ("sft.steps=2", "sft.steps")],
+)
+def test_what_several_trainer_processes_cannot_do_is_refused_in_one_line(override, needle):
+    from sparserl_jax.decoupled import processes
+
+    cfg = load_config(TINY, [*FAST, override])
+    with pytest.raises(ValueError, match=needle) as err:
+        processes.refuse(cfg)
+    assert "\n" not in str(err.value)
+    processes.refuse(load_config(TINY, FAST))  # the rest passes

@@ -203,6 +203,51 @@ def test_two_processes_publish_their_shards_without_gathering(tmp_path):
     assert ratio <= 1.05, (part_bytes, single_bytes)
 
 
+def test_a_sampler_follows_a_parts_publish_through_the_exchange(tmp_path):
+    """A trainer incarnation whose epoch record says `sync_parts`: the sampler job gives its
+    sampler a `PartsReceiver` on the epoch's sync location, and the weights it then holds are
+    the trainer's (a model's parameters sharded on an 8-device mesh, published as parts)."""
+    from flax import nnx
+
+    from sparserl_jax.config import RolloutConfig
+    from sparserl_jax.decoupled.exchange import Exchange
+    from sparserl_jax.decoupled.sampler_job import follow_epoch
+    from sparserl_jax.models.transformer import Transformer
+    from sparserl_jax.parallel import make_mesh
+    from sparserl_jax.parallel.sharding import create_sharded
+    from sparserl_jax.sampler import Sampler, published_params, sampler_shardings
+    from sparserl_jax.testing.fixtures import tiny_model_config
+
+    mesh = make_mesh(None, jax.devices()[:8])
+    model = create_sharded(lambda: Transformer(tiny_model_config(), rngs=nnx.Rngs(0)), mesh)
+    params = nnx.to_pure_dict(nnx.state(model))
+    ex = Exchange(f"file://{tmp_path}/exchange/")
+    single = ex.begin_epoch({})
+    epoch = ex.begin_epoch({"sync_parts": 1})
+    pub = PartPublisher(ex.sync_location(epoch), run_id=RUN, part=0, parts=1)
+    pub.publish(params)
+    moved = jax.tree.map(lambda x: x * 1.01, params)
+    pub.publish(moved)
+    sampler = Sampler.create(
+        model,
+        params,
+        RolloutConfig(max_new_tokens=4, max_prompt_len=4),
+        shardings=sampler_shardings(model, mesh),
+        publish_dtype=jnp.bfloat16,
+        mesh=mesh,
+    )
+    assert not isinstance(follow_epoch(ex, single, sampler), type(ex.sync_location(epoch)))
+    location = follow_epoch(ex, epoch, sampler)
+    assert isinstance(sampler.receiver, PartsReceiver)
+    events = sampler.sync(location)
+    assert sampler.version == 1 and all(e.error is None for e in events)
+    assert sampler.receiver.state_digest == pub.state_digest
+    want = published_params(pub.sent_bits, params, jnp.bfloat16)
+    got = sampler.params()
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def child(sync_dir: str, out_path: str) -> None:
     import tracemalloc
 
@@ -251,48 +296,3 @@ def child(sync_dir: str, out_path: str) -> None:
 
 if __name__ == "__main__":
     child(*join(sys.argv))
-
-
-def test_a_sampler_follows_a_parts_publish_through_the_exchange(tmp_path):
-    """A trainer incarnation whose epoch record says `sync_parts`: the sampler job gives its
-    sampler a `PartsReceiver` on the epoch's sync location, and the weights it then holds are
-    the trainer's (a model's parameters sharded on an 8-device mesh, published as parts)."""
-    from flax import nnx
-
-    from sparserl_jax.config import RolloutConfig
-    from sparserl_jax.decoupled.exchange import Exchange
-    from sparserl_jax.decoupled.sampler_job import follow_epoch
-    from sparserl_jax.models.transformer import Transformer
-    from sparserl_jax.parallel import make_mesh
-    from sparserl_jax.parallel.sharding import create_sharded
-    from sparserl_jax.sampler import Sampler, published_params, sampler_shardings
-    from sparserl_jax.testing.fixtures import tiny_model_config
-
-    mesh = make_mesh(None, jax.devices()[:8])
-    model = create_sharded(lambda: Transformer(tiny_model_config(), rngs=nnx.Rngs(0)), mesh)
-    params = nnx.to_pure_dict(nnx.state(model))
-    ex = Exchange(f"file://{tmp_path}/exchange/")
-    single = ex.begin_epoch({})
-    epoch = ex.begin_epoch({"sync_parts": 1})
-    pub = PartPublisher(ex.sync_location(epoch), run_id=RUN, part=0, parts=1)
-    pub.publish(params)
-    moved = jax.tree.map(lambda x: x * 1.01, params)
-    pub.publish(moved)
-    sampler = Sampler.create(
-        model,
-        params,
-        RolloutConfig(max_new_tokens=4, max_prompt_len=4),
-        shardings=sampler_shardings(model, mesh),
-        publish_dtype=jnp.bfloat16,
-        mesh=mesh,
-    )
-    assert not isinstance(follow_epoch(ex, single, sampler), type(ex.sync_location(epoch)))
-    location = follow_epoch(ex, epoch, sampler)
-    assert isinstance(sampler.receiver, PartsReceiver)
-    events = sampler.sync(location)
-    assert sampler.version == 1 and all(e.error is None for e in events)
-    assert sampler.receiver.state_digest == pub.state_digest
-    want = published_params(pub.sent_bits, params, jnp.bfloat16)
-    got = sampler.params()
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

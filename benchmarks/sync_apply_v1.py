@@ -88,7 +88,7 @@ class ReceiverV1(Receiver):
         bad = [n for n in names if not np.array_equal(computed[n], patch.leaf_digests[n])]
         if bad or codec.state_digest(specs, computed) != patch.state_digest:
             raise CorruptPatchError(f"version {patch.new_version}: digest mismatch in {bad[:5]}")
-        self.arrays, self._digests, self.specs = arrays, computed, specs
+        self.arrays, self.digests, self.specs = arrays, computed, specs
         self.version, self.state_digest = patch.new_version, patch.state_digest
         self.run_id = self.run_id or patch.run_id
         return patch.new_version

@@ -190,7 +190,8 @@ def launch(
         if line.startswith("summary: "):
             log_fn(line)
     ends = [c.returncode for c in sampler.values()]
-    log_fn(f"launch: trainer exited {[t.returncode for t in trainers]}; samplers {ends}")
+    exits = [t.returncode for t in trainers]
+    log_fn(f"launch: trainer exited {exits[0] if len(exits) == 1 else exits}; samplers {ends}")
     return code
 
 

@@ -10,7 +10,7 @@ read the events in order, never waiting inside a collective while the leader wai
 rollouts; each reads the same checksummed rollouts and places only its rows (the learner's
 `make_array_from_callback`). Every process publishes its own shards (`sync.parts`), and all save
 and restore the sharded state together (Orbax). A follower whose leader's heartbeat stops for
-`exchange.lease_s` stops with one line.
+`exchange.lease_s` stops with one line. The follower's loop is `trainer._run_follower`.
 """
 
 from __future__ import annotations
@@ -129,55 +129,3 @@ class Events:
                     f"and no event {self.n} of epoch {self.epoch}; stopping this process too"
                 )
             time.sleep(self.poll_s)
-
-
-def run_follower(cfg: Config, *, log_fn=print) -> dict[str, Any]:
-    """A trainer process other than 0: the leader's steps, checkpoints and publishes, in step."""
-    from sparserl_jax.build import build_model, build_tokenizer
-    from sparserl_jax.checkpoint import CheckpointManager
-    from sparserl_jax.data import make_reward_fn
-    from sparserl_jax.decoupled.trainer import _restore, exchange_url
-    from sparserl_jax.parallel import make_mesh
-    from sparserl_jax.rl import Learner
-    from sparserl_jax.rollout import RolloutResult
-    from sparserl_jax.step import learn_step
-
-    ex = Exchange(exchange_url(cfg), retries=cfg.exchange.retries)
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
-    mesh = make_mesh(cfg.mesh, jax.devices())
-    model = build_model(cfg.model, mesh)
-    learner = Learner(model, cfg.learner, mesh=mesh)
-    ckpt = CheckpointManager(cfg.run_dir, keep=cfg.train.keep_checkpoints, async_save=False)
-    state, _ = _restore(cfg, learner, model, tokenizer, ckpt, log_fn)
-    start = share_start(None)
-    pub = publisher(ex, start["epoch"], cfg, start["version"], start["run_id"])
-    pub.publish(state.params)
-    reward_fn = make_reward_fn(cfg.data)
-    events = Events(ex, start["epoch"], poll_s=cfg.exchange.poll_s, lease_s=cfg.exchange.lease_s)
-    me, step = jax.process_index(), start["step"]
-    log_fn(f"trainer process {me}: epoch {start['epoch']}, step {step}, following process 0")
-    while (ev := events.next())["kind"] != "stop":
-        if ev["kind"] == "save":
-            ckpt.save(ev["step"], {"learner": state}, {})  # the leader's meta is the one kept
-            ckpt.wait()
-            continue
-        items = [ex.item(i) for i in ev["items"]]
-        rollouts = []
-        for i, digest in zip(ev["items"], ev["sha256"], strict=True):
-            if ex.rollout_sha256(i) != digest:
-                raise RuntimeError(f"item {i}: its rollout is not the one the leader judged")
-            rollouts.append(ex.rollout(i))
-        step = ev["step"]
-        state = learn_step(
-            cfg,
-            learner,
-            state,
-            pub,
-            reward_fn,
-            tokenizer,
-            examples=[e for item in items for e in item.examples],
-            result=RolloutResult.concat([r.result for r in rollouts]),
-            step=step,
-        ).state
-    ckpt.close()
-    return {"process": me, "end_step": step, "sync_version": pub.version}

@@ -148,7 +148,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
     if processes.multi_process():  # several processes: refused parts first, then the roles
         processes.refuse(cfg)
         if jax.process_index() != 0:
-            return processes.run_follower(cfg, log_fn=log_fn)
+            return _run_follower(cfg, log_fn=log_fn)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
@@ -382,6 +382,51 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
         log_fn(f"stopped by signal at step {step}; checkpoint saved")
         summary["stopped_by_signal"] = True
     return summary
+
+
+def _run_follower(cfg: Config, *, log_fn=print) -> dict[str, Any]:
+    """A trainer process other than 0: the leader's steps, checkpoints and publishes, in step
+    (`processes.py`)."""
+    ex = Exchange(exchange_url(cfg), retries=cfg.exchange.retries)
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+    mesh = make_mesh(cfg.mesh, jax.devices())
+    model = build_model(cfg.model, mesh)
+    learner = Learner(model, cfg.learner, mesh=mesh)
+    ckpt = CheckpointManager(cfg.run_dir, keep=cfg.train.keep_checkpoints, async_save=False)
+    state, _ = _restore(cfg, learner, model, tokenizer, ckpt, log_fn)
+    start = processes.share_start(None)
+    pub = processes.publisher(ex, start["epoch"], cfg, start["version"], start["run_id"])
+    pub.publish(state.params)
+    reward_fn = make_reward_fn(cfg.data)
+    xcfg = cfg.exchange
+    events = processes.Events(ex, start["epoch"], poll_s=xcfg.poll_s, lease_s=xcfg.lease_s)
+    me, step = jax.process_index(), start["step"]
+    log_fn(f"trainer process {me}: epoch {start['epoch']}, step {step}, following process 0")
+    while (ev := events.next())["kind"] != "stop":
+        if ev["kind"] == "save":
+            ckpt.save(ev["step"], {"learner": state}, {})  # the leader's meta is the one kept
+            ckpt.wait()
+            continue
+        items = [ex.item(i) for i in ev["items"]]
+        rollouts = []
+        for i, digest in zip(ev["items"], ev["sha256"], strict=True):
+            if ex.rollout_sha256(i) != digest:
+                raise RuntimeError(f"item {i}: its rollout is not the one the leader judged")
+            rollouts.append(ex.rollout(i))
+        step = ev["step"]
+        state = learn_step(
+            cfg,
+            learner,
+            state,
+            pub,
+            reward_fn,
+            tokenizer,
+            examples=[e for item in items for e in item.examples],
+            result=RolloutResult.concat([r.result for r in rollouts]),
+            step=step,
+        ).state
+    ckpt.close()
+    return {"process": me, "end_step": step, "sync_version": pub.version}
 
 
 def _token_staleness(result: RolloutResult, version: int) -> dict[str, float]:

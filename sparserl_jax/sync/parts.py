@@ -38,7 +38,7 @@ from sparserl_jax.sync.extract import parse_box_name
 from sparserl_jax.sync.header import check_run_id
 from sparserl_jax.sync.publisher import Published, Publisher, SyncConfig
 from sparserl_jax.sync.receiver import ApplyEvent, Receiver, ShardingSpec, digest_of
-from sparserl_jax.sync.transport import Transport
+from sparserl_jax.sync.transport import KvStoreTransport, Transport
 
 MANIFEST_FORMAT = 1
 VERSIONS = "versions/"
@@ -53,8 +53,6 @@ def part_location(part: int) -> str:
 
 def kvstore_location(url: str, **kwargs) -> OpenTransport:
     """`open_transport` for a TensorStore kvstore URL (`file:///shared/sync/`, `gs://b/run/`)."""
-    from sparserl_jax.sync.transport import KvStoreTransport
-
     root = url if url.endswith("/") else url + "/"
     return lambda sub: KvStoreTransport(root + sub, **kwargs)
 

@@ -229,9 +229,8 @@ class Receiver:
         that names one. Blobs of any other run are refused (`RunMismatchError`).
       max_header_bytes, max_decoded_bytes: bounds on a blob's header and on the bytes it decodes
         to (`codec.decode`); after the first anchor the receiver's own manifest bounds the latter.
-      block_of: for a part of a publish spread over processes (`sync.parts`): a tensor's
-        (starts, leaf shape), the block of a leaf it is; its digest hashes each element at its
-        index in the leaf (`mask.block_digest`). Needs `verify="all"` and single-device blocks.
+      block_of: a part's tensor (`sync.parts`) -> (starts, leaf shape) of the block it is, hashed
+        at its leaf's indices (`mask.block_digest`); needs `verify="all"`, single-device blocks.
 
     Format-3 patches are coded against the receiver's old bits: from the first such patch on, the
     receiver keeps a host copy of the published bits of each leaf they touch (the size of the
@@ -262,18 +261,13 @@ class Receiver:
         self.last_format: int | None = None  # the wire format of the last blob applied
         self.specs: list[codec.TensorSpec] | None = None
         self.arrays: dict[str, jax.Array] = {}
-        self._digests: dict[str, np.ndarray] = {}
+        self.digests: dict[str, np.ndarray] = {}  # each held tensor's verified digest lanes
         # Format 3: each leaf's context classes of `arrays`, kept across versions, and its bits
         # on the host (flat uint), read from the devices once when a patch first needs them and
         # then advanced by every apply: decoding never copies a leaf back from an accelerator.
         self._context = ContextCache()
         self._host: dict[str, np.ndarray] = {}
         self.state_digest: str | None = None
-
-    @property
-    def digests(self) -> Mapping[str, np.ndarray]:
-        """Each held tensor's verified digest lanes."""
-        return self._digests
 
     def _digest(self, name: str, arr: jax.Array) -> jax.Array:
         if self._block_of is None:
@@ -357,7 +351,7 @@ class Receiver:
             computed = {}
         else:  # "touched": digests moved by the elements written, from the verified ones
             names = dense + list(changes)
-            computed = dict(self._digests)
+            computed = dict(self.digests)
             for name, change in changes.items():  # read once every leaf is dispatched
                 computed[name] = computed[name] + np.asarray(change, np.uint32)  # lanes wrap
         recompute = names if self.verify == "all" else dense
@@ -369,7 +363,7 @@ class Receiver:
                 f"version {patch.new_version}: digest mismatch after apply in {bad[:5]} "
                 f"({len(bad)} tensors); weights left at version {self.version}"
             )
-        self.arrays, self._digests, self.specs = arrays, computed, specs
+        self.arrays, self.digests, self.specs = arrays, computed, specs
         self.version, self.state_digest = patch.new_version, patch.state_digest
         self.run_id = self.run_id or patch.run_id
         self.last_format = patch.format

@@ -13,6 +13,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sparserl_jax.sync.loco_runtime import init_cpu_distributed
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -72,8 +74,6 @@ def run_processes(
 def join(argv: Sequence[str]) -> list[str]:
     """In a child of `run_processes`: join the others (`jax.distributed`, gloo) and return the
     child's own arguments. Must run before anything touches a JAX backend."""
-    from sparserl_jax.sync.loco_runtime import init_cpu_distributed
-
     port, process_id, num_processes = int(argv[1]), int(argv[2]), int(argv[3])
     init_cpu_distributed(f"localhost:{port}", num_processes, process_id, timeout_s=30)
     return list(argv[4:])

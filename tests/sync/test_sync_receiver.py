@@ -216,7 +216,7 @@ def test_wrong_values_with_valid_checksums_are_refused_by_digest():
     good = Receiver(sampler_sharding)
     good.sync(tr)
     # Forge version 1: the real per-leaf digests, but one value bit wrong in "['w']".
-    digests = dict(good._digests)
+    digests = dict(good.digests)
     changes = {}
     for name in pub.names:
         old, new = before[name].reshape(-1), host_bits(good.arrays[name]).reshape(-1)

@@ -637,3 +637,27 @@ def test_a_resumed_trainer_clears_a_revoked_claim_of_a_reopened_item(tmp_path):
     _queue(ex, tmp_path, state=state, staleness=0)
     assert ex.claim_state(0)[0] is None and ex.is_open(0)
     assert [item.id for _, item in _Claimer(ex, "s1", 0, 60.0)(0)] == [0, 1]
+
+
+def test_a_follower_process_stops_with_its_leader_or_when_superseded(tmp_path):
+    """A trainer process following process 0's events (`processes.Events.next`): the events in
+    order; once the leader's heartbeat stops changing for lease_s, one error; once a newer
+    trainer registers an epoch, `SupersededError` (its handle is fenced to its epoch)."""
+    from sparserl_jax.decoupled import processes
+
+    url = f"file://{tmp_path}/ex/"
+    leader = Exchange(url)
+    epoch = leader.begin_epoch({})
+    leader.write(f"trainer/events/e{epoch:06d}/{0:09d}", json.dumps({"kind": "stop"}).encode())
+    follower = Exchange(url)
+    follower.fence(epoch)
+    events = processes.Events(follower, epoch, poll_s=0.01, lease_s=0.3)
+    assert events.next() == {"kind": "stop"}
+    leader.put_pulse("trainer/heartbeat", {"time": 1})
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="the leader .* stopped: no heartbeat for 0.3 s"):
+        events.next()
+    assert time.monotonic() - t0 < 5
+    Exchange(url).begin_epoch({})  # a newer trainer
+    with pytest.raises(SupersededError):
+        events.next()

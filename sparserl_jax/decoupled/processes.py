@@ -113,9 +113,11 @@ class Events:
 
     def next(self) -> dict[str, Any]:
         """The next event; raises RuntimeError once the leader's heartbeat has not changed for
-        `lease_s` (by this process's clock) while none came."""
+        `lease_s` (by this process's clock) while none came, and `SupersededError` once a newer
+        trainer registered (the follower's exchange handle is fenced to its epoch)."""
         seen, since = None, time.monotonic()
         while True:
+            self.ex.check_fence()
             raw, _ = self.ex.read(self._key(self.n))
             if raw is not None:
                 self.n += 1

@@ -395,6 +395,7 @@ def _run_follower(cfg: Config, *, log_fn=print) -> dict[str, Any]:
     ckpt = CheckpointManager(cfg.run_dir, keep=cfg.train.keep_checkpoints, async_save=False)
     state, _ = _restore(cfg, learner, model, tokenizer, ckpt, log_fn)
     start = processes.share_start(None)
+    ex.fence(start["epoch"])  # a newer trainer's start stops this one at its next event
     pub = processes.publisher(ex, start["epoch"], cfg, start["version"], start["run_id"])
     pub.publish(state.params)
     reward_fn = make_reward_fn(cfg.data)

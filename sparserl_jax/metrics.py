@@ -177,7 +177,7 @@ def step_metrics(
         "sync/version": int(published.version),
         "sync/changed": int(published.total_changed),
         "sync/changed_fraction": published.total_changed / max(published.numel, 1),
-        "sync/payload_bytes": len(published.patch or b""),
+        "sync/payload_bytes": published.payload_bytes,
         "sync/dense_bf16_bytes": int(published.dense_bytes),
         "sync/verified": all(e.error is None for e in sync_events) and bool(sync_events),
         # The wire format of the blobs the sampler accepted this step (in-process sampler only).

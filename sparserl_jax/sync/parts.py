@@ -34,9 +34,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceShardin
 
 from sparserl_jax.sync import codec
 from sparserl_jax.sync.errors import CorruptPatchError, MissingVersionError, RunMismatchError
-from sparserl_jax.sync.extract import parse_box_name
+from sparserl_jax.sync.extract import parse_box_name, primary_shards
 from sparserl_jax.sync.header import check_run_id
-from sparserl_jax.sync.publisher import Published, Publisher, SyncConfig
+from sparserl_jax.sync.mask import publish_bits, published_dtype, visible_bitmap
+from sparserl_jax.sync.publisher import Published, Publisher, SyncConfig, leaf_names
 from sparserl_jax.sync.receiver import ApplyEvent, Receiver, ShardingSpec, digest_of
 from sparserl_jax.sync.transport import KvStoreTransport, Transport
 
@@ -47,8 +48,9 @@ MAX_MANIFEST_BYTES = 16 * 2**20
 OpenTransport = Callable[[str], Transport]
 
 
-def part_location(part: int) -> str:
-    return f"part-{part:04d}/"
+def part_location(process: int, part: int) -> str:
+    """Where process `process`'s part `part` (its `part`-th device holding shards) goes."""
+    return f"part-{process:04d}-{part:03d}/"
 
 
 def kvstore_location(url: str, **kwargs) -> OpenTransport:
@@ -58,12 +60,18 @@ def kvstore_location(url: str, **kwargs) -> OpenTransport:
 
 
 class PartPublisher:
-    """This process's part of every version, and (on process 0, the leader) the manifests.
+    """This process's parts of every version, and (on process 0, the leader) the manifests.
+
+    One part per device of this process that holds a primary shard: each part's anchor and
+    patch hold one device's share, encoded one after another, so a process's host memory
+    while it publishes follows its largest device share, not the sum of them. The device work
+    (published bits, visible masks) runs once per version for all of them.
 
     Every process calls `publish` with the same global master at the same step (its arrays may
-    span processes); none gathers a leaf or joins a collective beyond the elementwise programs.
-    The leader waits (up to `timeout_s`) for every part's blob of the version before it writes
-    the manifest; a part that does not appear (a dead process) raises `MissingVersionError`.
+    span processes); none gathers a leaf. After writing its blobs each joins one small
+    all-reduce (the leaves' digests, each process's part count, the totals), which the leader's
+    manifest then follows; the leader also checks (up to `timeout_s`) that every listed part's
+    blob is there, else `MissingVersionError`.
     """
 
     def __init__(
@@ -73,87 +81,140 @@ class PartPublisher:
         run_id: str,
         config: SyncConfig | None = None,
         start_version: int = 0,
-        part: int | None = None,
-        parts: int | None = None,
+        devices=None,
         timeout_s: float = 120.0,
         poll_s: float = 0.02,
     ):
-        self.part = jax.process_index() if part is None else part
-        self.parts = jax.process_count() if parts is None else parts
-        if not 0 <= self.part < self.parts:
-            raise ValueError(f"part {self.part} is not in [0, {self.parts})")
+        """`devices`: whose shards this process publishes (default: its local devices)."""
+        self.process = jax.process_index()
         self.run_id = check_run_id(run_id)
-        self.publisher = Publisher(
-            open_transport(part_location(self.part)),
-            config=config,
-            start_version=start_version,
-            run_id=run_id,
-            shards=True,
-        )
+        self.config = config or SyncConfig()
+        self._open, self._start_version = open_transport, start_version
+        self._devices = list(jax.local_devices() if devices is None else devices)
         self.timeout_s, self.poll_s = timeout_s, poll_s
-        self._versions = self._parts = None
-        if self.part == 0:
-            self._versions = open_transport(VERSIONS)
-            self._parts = [open_transport(part_location(q)) for q in range(self.parts)]
-
-    @property
-    def version(self) -> int | None:
-        return self.publisher.version
+        self.subs: list[Publisher] = []  # one per part, made at the first publish
+        self.version: int | None = None
+        self.leaf_specs: list[codec.TensorSpec] = []
+        self.leaf_digests: dict[str, np.ndarray] = {}
+        self.parts: list[tuple[int, int]] = []  # every process's parts, as of the last version
+        self._sent = None
+        self._versions = open_transport(VERSIONS) if self.process == 0 else None
 
     @property
     def sent_bits(self):
         """The last published state's bits (global arrays, as the master is laid out)."""
-        return self.publisher.sent_bits
+        return self._sent
+
+    def _make_parts(self, master) -> None:
+        held = set()
+        for x in jax.tree.leaves(master):
+            held |= {s.device for s in primary_shards(x, local=True)}
+        mine = [d for d in sorted(self._devices, key=lambda d: d.id) if d in held]
+        self.subs = [
+            Publisher(
+                self._open(part_location(self.process, k)),
+                config=self.config,
+                start_version=self._start_version,
+                run_id=self.run_id,
+                shards=True,
+                device=d,
+            )
+            for k, d in enumerate(mine)
+        ]
 
     def publish(self, master) -> Published:
-        """Publish this process's part of the next version (and, on the leader, its manifest).
-
-        Every process then joins one small all-reduce (two uint32 per leaf: the leaves'
-        digests, summed over the parts), after its blob is written: `state_digest` is the
-        digest of the whole state, as a `PartsReceiver` computes it."""
-        out = self.publisher.publish(master)
-        self.leaf_digests = self._combined_digests()
+        """Publish this process's parts of the next version (and, on the leader, its manifest);
+        returns the whole version's figures (every process's parts)."""
+        pdt = self.config.jnp_publish_dtype
+        master = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), master)
+        first = self.version is None
+        if first:
+            self._make_parts(master)
+            self.leaf_specs = [
+                codec.TensorSpec(n, tuple(x.shape), published_dtype(x.dtype, pdt).name)
+                for n, x in zip(leaf_names(master), jax.tree.leaves(master), strict=True)
+            ]
+            staged = sent = publish_bits(master, pdt)
+        else:
+            staged = visible_bitmap(master, self._sent, pdt)
+            sent = staged[2]
+        outs = [sub.publish(master, staged=staged) for sub in self.subs]
+        self._sent = sent
+        self.version = self._start_version if first else self.version + 1
+        totals = self._combine(outs)
         if self._versions is not None:
-            kinds = [k for k, blob in (("anchor", out.anchor), ("patch", out.patch)) if blob]
-            self._wait_for_parts(out.version, kinds)
+            kinds = ["anchor"] if first else ["patch"]
+            if not first and self.version % self.config.anchor_every == 0:
+                kinds.append("anchor")
+            self._wait_for_parts(self.version, kinds, self.parts)
             manifest = {
                 "format": MANIFEST_FORMAT,
                 "run_id": self.run_id,
-                "version": out.version,
-                "parts": self.parts,
+                "version": self.version,
+                "parts": [list(q) for q in self.parts],
                 "kinds": kinds,
-                "leaves": [[s.name, list(s.shape), s.dtype] for s in self.publisher.leaf_specs],
+                "leaves": [[s.name, list(s.shape), s.dtype] for s in self.leaf_specs],
             }
-            self._versions.put(out.version, "patch", json.dumps(manifest).encode())
-        return out
+            self._versions.put(self.version, "patch", json.dumps(manifest).encode())
+        return totals
 
     @property
     def state_digest(self) -> str:
         """The digest of the last published whole state (`codec.state_digest` of the leaves)."""
-        return codec.state_digest(self.publisher.leaf_specs, self.leaf_digests)
+        return codec.state_digest(self.leaf_specs, self.leaf_digests)
 
-    def _combined_digests(self) -> dict[str, np.ndarray]:
-        specs = self.publisher.leaf_specs
-        local = np.zeros((len(specs), 2), np.uint32)
-        for name, (leaf, _) in self.publisher._blocks.items():
-            local[leaf] += np.asarray(self.publisher._digests[name], np.uint32)  # lanes wrap
-        if jax.process_count() > 1:
+    def _combine(self, outs: list[Published]) -> Published:
+        """Sum the leaves' digests, the part counts and the figures over every process."""
+        specs, procs = self.leaf_specs, jax.process_count()
+        local = np.zeros((len(specs) + procs + 4, 2), np.uint32)
+        for sub in self.subs:
+            for name, (leaf, _) in sub._blocks.items():
+                local[leaf] += np.asarray(sub._digests[name], np.uint32)  # lanes wrap
+        local[len(specs) + self.process, 0] = len(self.subs)
+        figures = [
+            sum(o.total_changed for o in outs),
+            sum(o.numel for o in outs),
+            sum(o.dense_bytes for o in outs),
+            sum(o.payload_bytes for o in outs),
+        ]
+        for i, v in enumerate(figures):  # as two 32-bit halves: each sum stays below 2**64
+            local[len(specs) + procs + i] = (v & 0xFFFFFFFF, v >> 32)
+        if procs > 1:
             local = _sum_over_processes(local)
-        return {s.name: local[i] for i, s in enumerate(specs)}
+        self.leaf_digests = {s.name: local[i] for i, s in enumerate(specs)}
+        counts = local[len(specs) : len(specs) + procs, 0]
+        self.parts = [(p, k) for p in range(procs) for k in range(int(counts[p]))]
+        sums = [int(lo) + (int(hi) << 32) for lo, hi in local[len(specs) + procs :]]
+        return Published(
+            self.version,
+            None,
+            None,
+            {"all parts": sums[0]},
+            sums[1],
+            sums[2],
+            mask_s=max((o.mask_s for o in outs), default=0.0),
+            extract_s=sum(o.extract_s for o in outs),
+            encode_s=sum(o.encode_s for o in outs),
+            anchor_s=sum(o.anchor_s for o in outs),
+            anchor_cpu_s=sum(o.anchor_cpu_s for o in outs),
+            payload_nbytes=sums[3],
+        )
 
-    def _wait_for_parts(self, version: int, kinds: list[str]) -> None:
+    def _wait_for_parts(self, version: int, kinds: list[str], parts) -> None:
         deadline = time.monotonic() + self.timeout_s
-        missing = list(range(self.parts))
+        missing = list(parts)
         while True:
             missing = [
-                q for q in missing if any(version not in self._parts[q].versions(k) for k in kinds)
+                q
+                for q in missing
+                if any(version not in self._open(part_location(*q)).versions(k) for k in kinds)
             ]
             if not missing:
                 return
             if time.monotonic() > deadline:
                 raise MissingVersionError(
-                    f"version {version}: parts {missing} not written within {self.timeout_s:g} s "
-                    "(are those trainer processes alive?)"
+                    f"version {version}: parts {missing} (process, part) not written within "
+                    f"{self.timeout_s:g} s (are those trainer processes alive?)"
                 )
             time.sleep(self.poll_s)
 
@@ -187,8 +248,12 @@ def read_manifest(blob: bytes) -> dict:
         isinstance(m, dict)
         and m.get("format") == MANIFEST_FORMAT
         and type(m.get("version")) is int
-        and type(m.get("parts")) is int
-        and m["parts"] >= 1
+        and isinstance(m.get("parts"), list)
+        and len(m["parts"]) >= 1
+        and all(
+            isinstance(q, list) and len(q) == 2 and all(type(i) is int and i >= 0 for i in q)
+            for q in m["parts"]
+        )
         and isinstance(m.get("kinds"), list)
         and set(m["kinds"]) <= {"anchor", "patch"}
         and isinstance(m.get("leaves"), list)
@@ -261,9 +326,9 @@ class PartsReceiver:
                 f"version {version} was published by run {m['run_id']!r}; this receiver follows "
                 f"run {self.run_id!r}"
             )
-        if self._parts and m["parts"] != len(self._parts):
+        if self._parts and [tuple(q) for q in m["parts"]] != self._part_ids:
             raise CorruptPatchError(
-                f"version {version} has {m['parts']} parts; this run had {len(self._parts)}"
+                f"version {version} has parts {m['parts']}; this run had {self._part_ids}"
             )
         return m
 
@@ -278,12 +343,13 @@ class PartsReceiver:
                 raise CorruptPatchError(f"tensor {name!r} is no block of a manifest leaf")
             return starts, shapes[leaf]
 
-        self._transports = [self._open(part_location(q)) for q in range(m["parts"])]
+        self._part_ids = [tuple(q) for q in m["parts"]]
+        self._transports = [self._open(part_location(*q)) for q in self._part_ids]
         self._parts = [
             Receiver(
                 lambda name, shape: self._block_sharding, run_id=self.run_id, block_of=block_of
             )
-            for _ in range(m["parts"])
+            for _ in self._part_ids
         ]
 
     def sync(self, location: OpenTransport, target: int | None = None) -> list[ApplyEvent]:

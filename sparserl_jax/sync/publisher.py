@@ -89,10 +89,16 @@ class Published:
     encode_s: float = 0.0
     anchor_s: float = 0.0
     anchor_cpu_s: float = 0.0
+    payload_nbytes: int | None = None  # the patch bytes, where `patch` is not one blob (parts)
 
     @property
     def total_changed(self) -> int:
         return sum(self.changed.values())
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of the patch (of every part's, for a publish spread over processes)."""
+        return len(self.patch or b"") if self.payload_nbytes is None else self.payload_nbytes
 
 
 def leaf_names(tree) -> list[str]:
@@ -112,6 +118,7 @@ class Publisher:
         start_version: int = 0,
         run_id: str | None = None,
         shards: bool = False,
+        device: jax.Device | None = None,
     ):
         """`start_version`: the version of the first (anchor) publish, e.g. the version a
         resumed trainer had reached, so that version numbers keep rising across restarts.
@@ -121,7 +128,8 @@ class Publisher:
         as its own tensor named after the block of its leaf it covers (`extract.box_name`): this
         process's part of a publish spread over processes (`sync.parts`). Their digests hash
         each element at its index in the whole leaf, so the parts' digests of a leaf add up to
-        the leaf's digest. No leaf is read beyond this process's shards."""
+        the leaf's digest. No leaf is read beyond this process's shards. `device` (with
+        `shards`): only the shards on that device (one part per device, `sync.parts`)."""
         if start_version < 0:
             raise ValueError(f"start_version must be >= 0, got {start_version}")
         self._start_version = start_version
@@ -137,7 +145,7 @@ class Publisher:
         # Each leaf's context classes of `_sent` and its last cuts, kept across versions: in
         # steady state a patch reads no leaf's old bits back from its devices.
         self._context = ContextCache()
-        self.shards = shards
+        self.shards, self.device = shards, device
         # With `shards`: per tensor, (its leaf's position, where its block starts).
         self._blocks: dict[str, tuple[int, tuple[int, ...]]] = {}
         self.leaf_specs: list[codec.TensorSpec] = []  # the whole leaves (== specs without shards)
@@ -214,8 +222,12 @@ class Publisher:
                     "empty location, delete those versions, or resume that run with its run id"
                 )
 
-    def publish(self, master) -> Published:
-        """Publish the next version of `master` (a pytree of arrays, any sharding)."""
+    def publish(self, master, *, staged=None) -> Published:
+        """Publish the next version of `master` (a pytree of arrays, any sharding).
+
+        `staged`: the device work for it, done once for several publishers of one master (the
+        parts of `sync.parts`): the first publish's `publish_bits(master)`, then
+        `visible_bitmap(master, sent_bits)`'s triple."""
         pdt = self.config.jnp_publish_dtype
         # Host (numpy) leaves become device arrays; device arrays are taken as they are.
         master = jax.tree.map(lambda x: x if isinstance(x, jax.Array) else jnp.asarray(x), master)
@@ -223,7 +235,7 @@ class Publisher:
             t0 = time.perf_counter()
             if self.transport is not None:
                 self._check_transport()
-            self._sent = publish_bits(master, pdt)
+            self._sent = publish_bits(master, pdt) if staged is None else staged
             leaves, self._treedef = jax.tree.flatten(master)
             names = leaf_names(master)
             self.leaf_specs = [
@@ -235,6 +247,8 @@ class Publisher:
                 self.specs = []
                 for i, (spec, x) in enumerate(zip(self.leaf_specs, leaves, strict=True)):
                     for shard in primary_shards(x, local=True):
+                        if self.device is not None and shard.device != self.device:
+                            continue
                         name = box_name(spec.name, shard_start(shard))
                         self._blocks[name] = (i, shard_start(shard))
                         shape = tuple(shard.data.shape)
@@ -262,7 +276,9 @@ class Publisher:
         # Nothing in `self` changes until the patch is encoded: a failure leaves the publisher
         # at its last version.
         t0 = time.perf_counter()
-        bitmaps, packed, new_sent = visible_bitmap(master, self._sent, pdt)
+        if staged is None:
+            staged = visible_bitmap(master, self._sent, pdt)
+        bitmaps, packed, new_sent = staged
         jax.block_until_ready((bitmaps, new_sent))
         t1 = time.perf_counter()
         changes, index = self._changes(bitmaps, new_sent, packed)

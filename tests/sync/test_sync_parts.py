@@ -30,6 +30,7 @@ from sparserl_jax.sync.parts import (
     PartsReceiver,
     kvstore_location,
     part_location,
+    read_manifest,
 )
 from sparserl_jax.sync.publisher import Publisher
 from sparserl_jax.sync.transport import InProcessTransport
@@ -98,7 +99,7 @@ def _bits(x) -> np.ndarray:
 def test_one_process_parts_equal_a_single_publisher(tmp_path):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("p", "d"))
     loc = kvstore_location(f"file://{tmp_path}")
-    parts = PartPublisher(loc, run_id=RUN, part=0, parts=1)
+    parts = PartPublisher(loc, run_id=RUN)
     single = Publisher(InProcessTransport(), run_id=RUN)
     digests = []
     for v in range(VERSIONS_N):
@@ -110,13 +111,14 @@ def test_one_process_parts_equal_a_single_publisher(tmp_path):
         digests.append(single.state_digest)
     # The blocks' digests (each element hashed at its index in the leaf) add up to the leaf's.
     sums = {}
-    for name, d in parts.publisher._digests.items():
+    for name, d in [kv for sub in parts.subs for kv in sub._digests.items()]:
         leaf = name.rpartition("#")[0]
         sums[leaf] = sums.get(leaf, np.zeros(2, np.uint32)) + d
     assert sums.keys() == single._digests.keys()
     for leaf, d in sums.items():
         np.testing.assert_array_equal(d, single._digests[leaf])
-    assert len(parts.publisher.specs) == 8 + 1  # w: one block per device; b: one replica
+    # One part per device: w's block on each, b's one replica on the first.
+    assert [len(sub.specs) for sub in parts.subs] == [2] + [1] * 7
     for n in (1, 2, 8):
         rc = PartsReceiver(receiver_sharding(jax.devices()[:n]))
         for v in range(VERSIONS_N):
@@ -130,23 +132,23 @@ def test_one_process_parts_equal_a_single_publisher(tmp_path):
 def test_a_bad_manifest_or_a_missing_part_is_refused(tmp_path):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("p", "d"))
     loc = kvstore_location(f"file://{tmp_path}")
-    # Part 1 never publishes: the leader gives up within its timeout, with one clear error.
-    leader = PartPublisher(loc, run_id=RUN, part=0, parts=2, timeout_s=0.3)
-    with pytest.raises(MissingVersionError, match=r"parts \[1\] not written"):
-        leader.publish(master(SMALL, mesh, 0))
-    assert loc(VERSIONS).versions("patch") == []  # no READY for the incomplete version
+    # A part that never appears: the leader gives up within its timeout, with one clear error.
+    leader = PartPublisher(loc, run_id=RUN, timeout_s=0.3)
+    leader.publish(master(SMALL, mesh, 0))
+    with pytest.raises(MissingVersionError, match=r"parts \[\(1, 0\)\] \(process, part\) not"):
+        leader._wait_for_parts(0, ["anchor"], [(0, 0), (1, 0)])
     loc(VERSIONS).put(0, "patch", b'{"format": 1, "version": 0}')
     with pytest.raises(CorruptPatchError, match="malformed parts manifest"):
         PartsReceiver(receiver_sharding(jax.devices()[:1])).sync(loc)
     # A block whose bits were altered in storage: its receiver refuses the part, nothing swaps.
     good = kvstore_location(f"file://{tmp_path}/good")
-    pub = PartPublisher(good, run_id=RUN, part=0, parts=1)
+    pub = PartPublisher(good, run_id=RUN)
     pub.publish(master(SMALL, mesh, 0))
     pub.publish(master(SMALL, mesh, 1))
     rc = PartsReceiver(receiver_sharding(jax.devices()[:2]))
     rc.sync(good, 0)
     held = {k: _bits(v).copy() for k, v in rc.arrays.items()}
-    t = good(part_location(0))
+    t = good(part_location(0, 3))
     blob = bytearray(t.get(1, "patch"))
     blob[-5] ^= 0xFF
     t.put(1, "patch", bytes(blob))
@@ -183,9 +185,13 @@ def test_two_processes_publish_their_shards_without_gathering(tmp_path):
                 np.testing.assert_array_equal(_bits(held), want, err_msg=f"{n} devices, v{v}")
         if v:
             kinds = ("patch",)
+            ids = read_manifest(loc(VERSIONS).get(v, "patch"))["parts"]
+            assert sorted(ids) == [[p, k] for p in (0, 1) for k in range(4)]  # one per device
             part_bytes.append(
-                sum(len(loc(part_location(p)).get(v, k)) for p in (0, 1) for k in kinds)
+                sum(len(loc(part_location(*q)).get(v, k)) for q in ids for k in kinds)
             )
+            # Every process's figures are the whole version's (its small all-reduce).
+            assert [r["payload_bytes"][v] for r in results] == [part_bytes[-1]] * 2
             single_bytes.append(len(out.patch))
     # Each block was written by exactly one process, and together they tile every leaf.
     blocks = [set(r["blocks"]) for r in results]
@@ -224,7 +230,7 @@ def test_a_sampler_follows_a_parts_publish_through_the_exchange(tmp_path):
     ex = Exchange(f"file://{tmp_path}/exchange/")
     single = ex.begin_epoch({})
     epoch = ex.begin_epoch({"sync_parts": 1})
-    pub = PartPublisher(ex.sync_location(epoch), run_id=RUN, part=0, parts=1)
+    pub = PartPublisher(ex.sync_location(epoch), run_id=RUN)
     pub.publish(params)
     moved = jax.tree.map(lambda x: x * 1.01, params)
     pub.publish(moved)
@@ -272,21 +278,22 @@ def child(sync_dir: str, out_path: str) -> None:
         mesh = Mesh(np.array(devices).reshape(2, 4), ("p", "d"))
         shapes = {**SMALL, **BIG}
         pub = PartPublisher(kvstore_location(f"file://{sync_dir}"), run_id=RUN)
-        peaks, state_digests = [], []
+        peaks, state_digests, payloads = [], [], []
         for v in range(VERSIONS_N):
             m = master(shapes, mesh, v)
             jax.block_until_ready(m)
             tracemalloc.start()
-            pub.publish(m)
+            payloads.append(pub.publish(m).payload_bytes)
             peaks.append(tracemalloc.get_traced_memory()[1])
             tracemalloc.stop()
             state_digests.append(pub.state_digest)
         result = {
-            "blocks": [s.name for s in pub.publisher.specs],
+            "blocks": [s.name for sub in pub.subs for s in sub.specs],
             "gathered_bytes": gathered[0],
             "anchor_peak_bytes": peaks[0],
             "patch_peak_bytes": peaks[1:],
             "state_digests": state_digests,
+            "payload_bytes": payloads,
         }
         with open(out_path, "w") as f:
             json.dump(result, f)

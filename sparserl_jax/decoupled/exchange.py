@@ -359,18 +359,25 @@ class Exchange:
     def rollout_sha256(self, item_id: int) -> str | None:
         """The checksum the READY marker of `item_id`'s rollout holds (None when not READY)."""
         marker, _ = self.read(f"READY/rollouts/{_id(item_id)}")
+        return None if marker is None else self._marker_sha256(marker)
+
+    @staticmethod
+    def _marker_sha256(marker: bytes) -> str | None:
         try:
-            return None if marker is None else str(json.loads(marker)["sha256"])
+            return str(json.loads(marker)["sha256"])
         except (ValueError, KeyError, TypeError):
             return None
 
-    def rollout(self, item_id: int) -> Rollout | None:
+    def rollout(self, item_id: int, *, sha256: str | None = None) -> Rollout | None:
         """The READY rollout of `item_id` (None when not READY); its bytes must match the
-        marker's checksum, else `CorruptRolloutError`."""
+        marker's checksum, else `CorruptRolloutError`; and the marker's checksum `sha256` when
+        given (the rollout another process judged)."""
         key = _id(item_id)
         marker, _ = self.read(f"READY/rollouts/{key}")
         if marker is None:
             return None
+        if sha256 is not None and self._marker_sha256(marker) != sha256:
+            raise CorruptRolloutError(f"rollout of item {item_id} is not the one judged elsewhere")
         blob, _ = self.read(f"rollouts/{key}.npz")
         try:
             expect = json.loads(marker)

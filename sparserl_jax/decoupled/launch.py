@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -97,7 +98,7 @@ def launch(
     base = [sys.executable, "-m", "sparserl_jax"]
     join = []
     if trainer_processes > 1:
-        join = ["--coordinator", f"localhost:{_free_port()}"]
+        join = ["--coordinator", f"localhost:{free_port()}"]
         join += ["--num-processes", str(trainer_processes)]
     trainers = []
     for p in range(trainer_processes):
@@ -210,9 +211,8 @@ def _stop(procs: list[subprocess.Popen], grace_s: float = STOP_GRACE_S) -> None:
             p.wait()
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
+    """A TCP port free on localhost now (for a local coordinator)."""
     with socket.socket() as s:
         s.bind(("localhost", 0))
         return s.getsockname()[1]

@@ -24,9 +24,13 @@ import numpy as np
 
 from sparserl_jax.config import Config
 from sparserl_jax.decoupled.exchange import Exchange
+from sparserl_jax.sync.loco_runtime import init_cpu_distributed
 from sparserl_jax.sync.parts import PartPublisher
 
 START_BYTES = 1024  # the leader's start record, broadcast to the followers
+
+
+JOIN_TIMEOUT_S = 300  # for every trainer process to reach the coordinator
 
 
 def init_processes(coordinator: str | None, num_processes: int | None, process_id: int | None):
@@ -34,9 +38,7 @@ def init_processes(coordinator: str | None, num_processes: int | None, process_i
     coordinator unless `num_processes` asks for JAX's own detection (TPU pods, SLURM)."""
     if coordinator is None and num_processes is None:
         return
-    if "jax_cpu_collectives_implementation" in jax.config.values:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+    init_cpu_distributed(coordinator, num_processes, process_id, timeout_s=JOIN_TIMEOUT_S)
 
 
 def multi_process() -> bool:
@@ -85,7 +87,7 @@ def publisher(ex: Exchange, epoch: int, cfg: Config, version: int, run_id: str |
 
 class Events:
     """The leader's ordered events for the followers (see the module docstring). In one process
-    every method is a no-op."""
+    the leader's methods (`step`, `save`, `stop`) are no-ops."""
 
     def __init__(self, ex: Exchange, epoch: int, *, poll_s: float = 0.05, lease_s: float = 60.0):
         self.ex, self.epoch, self.n = ex, epoch, 0
@@ -102,6 +104,8 @@ class Events:
             self.n += 1
 
     def step(self, step: int, items, rollouts) -> None:
+        if not self.active:  # no follower: no checksum reads on the step's path
+            return
         sums = [self.ex.rollout_sha256(r.item) for r in rollouts]
         self._put({"kind": "step", "step": step, "items": [i.id for i in items], "sha256": sums})
 

@@ -409,11 +409,9 @@ def _run_follower(cfg: Config, *, log_fn=print) -> dict[str, Any]:
             ckpt.wait()
             continue
         items = [ex.item(i) for i in ev["items"]]
-        rollouts = []
-        for i, digest in zip(ev["items"], ev["sha256"], strict=True):
-            if ex.rollout_sha256(i) != digest:
-                raise RuntimeError(f"item {i}: its rollout is not the one the leader judged")
-            rollouts.append(ex.rollout(i))
+        rollouts = [ex.rollout(i, sha256=s) for i, s in zip(ev["items"], ev["sha256"], strict=True)]
+        if None in rollouts:
+            raise RuntimeError(f"the rollouts of items {ev['items']} are no longer all there")
         step = ev["step"]
         state = learn_step(
             cfg,

@@ -55,9 +55,14 @@ LossFn = Callable[[Any, Any], jax.Array]
 
 
 def init_cpu_distributed(
-    coordinator_address: str, num_processes: int, process_id: int, *, timeout_s: int = 60
+    coordinator_address: str | None,
+    num_processes: int | None,
+    process_id: int | None,
+    *,
+    timeout_s: int = 60,
 ) -> None:
-    """`jax.distributed.initialize` for CPU processes, with gloo CPU collectives.
+    """`jax.distributed.initialize`, with gloo CPU collectives (None: what JAX detects, e.g. on
+    TPU pods and SLURM; the gloo setting only concerns the CPU backend).
 
     Must run before anything touches a JAX backend. JAX 0.10/0.11 select the CPU collectives by
     `jax_cpu_collectives_implementation` (gloo is the default there; set anyway, so an older

@@ -166,7 +166,7 @@ class PartPublisher:
     def _combine(self, outs: list[Published]) -> Published:
         """Sum the leaves' digests, the part counts and the figures over every process."""
         specs, procs = self.leaf_specs, jax.process_count()
-        local = np.zeros((len(specs) + procs + 4, 2), np.uint32)
+        local = np.zeros((len(specs) + procs + FIGURE_ROWS, 2), np.uint32)
         for sub in self.subs:
             for name, (leaf, _) in sub._blocks.items():
                 local[leaf] += np.asarray(sub._digests[name], np.uint32)  # lanes wrap
@@ -177,14 +177,13 @@ class PartPublisher:
             sum(o.dense_bytes for o in outs),
             sum(o.payload_bytes for o in outs),
         ]
-        for i, v in enumerate(figures):  # as two 32-bit halves: each sum stays below 2**64
-            local[len(specs) + procs + i] = (v & 0xFFFFFFFF, v >> 32)
+        local[len(specs) + procs :] = np.reshape([_limbs(v) for v in figures], (FIGURE_ROWS, 2))
         if procs > 1:
             local = _sum_over_processes(local)
         self.leaf_digests = {s.name: local[i] for i, s in enumerate(specs)}
         counts = local[len(specs) : len(specs) + procs, 0]
         self.parts = [(p, k) for p in range(procs) for k in range(int(counts[p]))]
-        sums = [int(lo) + (int(hi) << 32) for lo, hi in local[len(specs) + procs :]]
+        sums = [_from_limbs(x) for x in local[len(specs) + procs :].reshape(-1, LIMBS)]
         return Published(
             self.version,
             None,
@@ -217,6 +216,20 @@ class PartPublisher:
                     f"{self.timeout_s:g} s (are those trainer processes alive?)"
                 )
             time.sleep(self.poll_s)
+
+
+# The figures (changed elements, elements, bytes: 64-bit counts) cross the uint32 all-reduce
+# as 16-bit limbs, whose sums over up to 2**16 processes cannot wrap; carries are resolved after.
+LIMBS = 4
+FIGURE_ROWS = 4 * LIMBS // 2  # 4 figures, 2 lanes per row
+
+
+def _limbs(value: int) -> list[int]:
+    return [(value >> (16 * i)) & 0xFFFF for i in range(LIMBS)]
+
+
+def _from_limbs(limbs) -> int:
+    return sum(int(x) << (16 * i) for i, x in enumerate(limbs))
 
 
 def _sum_over_processes(x: np.ndarray) -> np.ndarray:

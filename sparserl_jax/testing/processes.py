@@ -6,22 +6,16 @@ calls first."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sparserl_jax.decoupled.launch import free_port
 from sparserl_jax.sync.loco_runtime import init_cpu_distributed
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def run_processes(

@@ -254,6 +254,16 @@ def test_a_sampler_follows_a_parts_publish_through_the_exchange(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_the_figures_cross_the_uint32_all_reduce_without_wrapping():
+    """Element and byte counts of a 7B model pass 2**32: summed over processes as 16-bit limbs
+    in uint32 (as `_sum_over_processes` adds them), they come back exact."""
+    from sparserl_jax.sync.parts import _from_limbs, _limbs
+
+    values = [7 * 2**32 + 5, 2**32 - 1, 3 * 2**40 + 2**31]
+    summed = np.sum([np.asarray(_limbs(v), np.uint32) for v in values], axis=0, dtype=np.uint32)
+    assert _from_limbs(summed) == sum(values)
+
+
 def child(sync_dir: str, out_path: str) -> None:
     import tracemalloc
 

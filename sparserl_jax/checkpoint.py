@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import signal
 import sys
 import threading
@@ -39,6 +38,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from sparserl_jax.storage import move_tree, run_path
 from sparserl_jax.sync.mask import leaf_digests, publish_bits
 
 log = logging.getLogger(__name__)
@@ -61,8 +61,9 @@ class CheckpointManager:
     def __init__(self, run_dir: str | Path, *, keep: int = 3, async_save: bool = True):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
-        self.directory = Path(run_dir).absolute() / "checkpoints"
-        self.corrupt_directory = Path(run_dir).absolute() / "checkpoints.corrupt"
+        root = run_path(run_dir)  # a local directory or a URL (`storage`)
+        self.directory = root / "checkpoints"
+        self.corrupt_directory = root / "checkpoints.corrupt"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
@@ -153,7 +154,7 @@ class CheckpointManager:
                 log.warning("%s; moved to %s, falling back to the previous checkpoint", e, moved)
         return None
 
-    def move_aside(self, step: int) -> Path | None:
+    def move_aside(self, step: int) -> Any:
         """Move checkpoint `step` out of the run's checkpoints (into `corrupt_directory`, never
         deleted) so that a later save of the same step does not collide with it. With several
         processes every one calls this (they judged the step alike: its digests are global);
@@ -167,8 +168,7 @@ class CheckpointManager:
             n = 1
             while dst.exists():
                 dst, n = self.corrupt_directory / f"{step}-{stamp}-{n}", n + 1
-            self.corrupt_directory.mkdir(parents=True, exist_ok=True)
-            shutil.move(str(src), str(dst))
+            move_tree(src, dst)
         sync_processes(f"sparserl_checkpoint_move_aside_{step}")
         self._mngr.reload()
         return dst

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from sparserl_jax.storage import JsonlFile, run_path
 
 
 def _scalar(value: Any) -> float | int | str | bool | None:
@@ -39,28 +40,38 @@ def jsonable_row(metrics: Mapping[str, Any]) -> dict:
 
 
 class MetricsWriter:
-    """Append-only JSONL metrics (and optional TensorBoard event files)."""
+    """Append-only JSONL metrics (and optional TensorBoard event files). `run_dir` may be a URL
+    (`storage.JsonlFile`: rows are stored at each `flush`, which `write` does)."""
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = False):
-        self.path = Path(run_dir) / "metrics.jsonl"
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", buffering=1)
+        root = run_path(run_dir)
+        self.file = JsonlFile(root / "metrics.jsonl")
+        self.path = self.file.path
+        if isinstance(root, Path):  # there from the start, for anyone tailing it
+            root.mkdir(parents=True, exist_ok=True)
+            self.path.touch()
         self._start = time.time()
         self._tb = None
         if tensorboard:
+            if not isinstance(root, Path):
+                raise ValueError(
+                    f"train.tensorboard needs a local run_dir, not {run_dir}: set it false "
+                    "(metrics.jsonl holds every value)"
+                )
             try:
                 from tensorboardX import SummaryWriter
             except ImportError as e:
                 raise ImportError(
                     "tensorboard=True needs the tensorboardX package: pip install tensorboardX"
                 ) from e
-            self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"))
+            self._tb = SummaryWriter(str(root / "tensorboard"))
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Record one step; `step` and `wall_time_s` are added. Returns the row written."""
         row = {"step": int(step), "wall_time_s": round(time.time() - self._start, 3)}
         row.update(jsonable_row(metrics))
-        self._file.write(json.dumps(row) + "\n")
+        self.file.append([row])
+        self.file.flush()
         if self._tb is not None:
             for k, v in row.items():
                 if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step":
@@ -68,7 +79,6 @@ class MetricsWriter:
         return row
 
     def close(self) -> None:
-        self._file.close()
         if self._tb is not None:
             self._tb.close()
 
@@ -82,33 +92,12 @@ class MetricsWriter:
 def truncate_metrics(run_dir: str | Path, step: int) -> list[dict]:
     """Make `<run_dir>/metrics.jsonl` read as if the run had stopped right after `step`: rows
     with a larger step and a torn last line (a run killed mid-write) are dropped; the file is
-    rewritten atomically (temp file + rename), so a crash here leaves the old or the new file.
-    Returns the rows kept. A missing file is left missing."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    lines = path.read_text().splitlines(keepends=True)
-    kept_lines, kept_rows = [], []
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                break  # torn by a kill during the write
-            raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
-        if int(row.get("step", 0)) > step:
-            continue
-        kept_lines.append(line if line.endswith("\n") else line + "\n")
-        kept_rows.append(row)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        f.writelines(kept_lines)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return kept_rows
+    replaced atomically, so a crash here leaves the old or the new file. Returns the rows kept.
+    A missing file is left missing."""
+    file = JsonlFile(run_path(run_dir) / "metrics.jsonl")
+    kept = [row for row in file.rows() if int(row.get("step", 0)) <= step]
+    file.replace(kept)
+    return kept
 
 
 def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:

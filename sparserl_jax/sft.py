@@ -13,10 +13,10 @@ import dataclasses
 import functools
 import json
 import re
-import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,7 @@ from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
 from sparserl_jax.data import DataConfig, sft_batch, sft_pairs
 from sparserl_jax.kvcache.evictions import NEVER
 from sparserl_jax.rl.config import decay_mask
+from sparserl_jax.storage import remove_tree, run_path
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -160,14 +161,15 @@ def _step(params, opt_state, tokens_bt, mask_bt, evict_pos_bykt=None, *, graphde
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def progress_dir(run_dir: str | Path) -> Path:
-    """Where a run's SFT warm start keeps its progress until the run saves its step 0."""
-    return Path(run_dir) / "sft_progress"
+def progress_dir(run_dir: str | Path) -> Any:
+    """Where a run's SFT warm start keeps its progress until the run saves its step 0 (a local
+    path or a URL, as `run_dir`)."""
+    return run_path(run_dir) / "sft_progress"
 
 
 def drop_progress(run_dir: str | Path) -> None:
     """Remove the warm start's progress: call once the run's step 0 (after it) is on disk."""
-    shutil.rmtree(progress_dir(run_dir), ignore_errors=True)
+    remove_tree(progress_dir(run_dir))
 
 
 def sft_warm_start(
@@ -228,7 +230,7 @@ def sft_warm_start(
                     )
                     raise ValueError(
                         f"{ckpt.directory} holds an SFT warm start of another config (differs in "
-                        f"{', '.join(diff)}): use another run_dir, or delete {Path(checkpoint_dir)}"
+                        f"{', '.join(diff)}): use another run_dir, or delete {checkpoint_dir}"
                     )
                 params, opt_state = tree["params"], tree["opt_state"]
                 start, losses = int(meta["step"]), [float(x) for x in meta["losses"]]

@@ -29,7 +29,6 @@ import json
 import math
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -69,6 +68,7 @@ from sparserl_jax.sampler import (
 )
 from sparserl_jax.sft import drop_progress, run_warm_start
 from sparserl_jax.step import learn_step, rl_batch
+from sparserl_jax.storage import is_url, run_path, write_text
 from sparserl_jax.sync import InProcessTransport, Publisher, new_run_id
 
 __all__ = ["check_config", "rl_batch", "train"]
@@ -318,7 +318,7 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     is dropped (the next run redoes it), an update or a save is finished first. Running the same
     command again continues as if the run had never stopped.
     """
-    run_dir = Path(cfg.run_dir)
+    run_dir = run_path(cfg.run_dir)  # a local directory or a URL (`storage`)
     summary: dict[str, Any] = {"run_dir": str(run_dir)}
     with PreemptionGuard(STOP_SIGNALS) as guard:
         check_config(cfg)
@@ -328,7 +328,7 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
         except Preempted:
             return _stopped(summary, guard, None, log_fn)
         # Written once the checkpoint (if any) matched this config: a mismatch changes nothing.
-        (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+        write_text(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1))
         summary["start_step"] = run.start_step
         try:
             step, rewards_seen, stopped = _loop(run, guard, summary, log_fn, on_step)
@@ -340,7 +340,7 @@ def train(cfg: Config, *, log_fn=print, on_step=None) -> dict:
     summarise_rewards(summary, rewards_seen, run.rollout.temperature, run.start_step, step, log_fn)
     metrics = run_dir / "metrics.jsonl"
     summary.update(end_step=step, metrics=str(metrics))
-    if cfg.train.plot and step > run.start_step:
+    if cfg.train.plot and step > run.start_step and not is_url(cfg.run_dir):  # a local PNG
         summary["plot"] = str(
             plot_metrics(metrics, run_dir / "metrics.png", list(PLOTTED), skip_missing=True)
         )

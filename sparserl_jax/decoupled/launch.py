@@ -1,15 +1,16 @@
 """`sparserl launch CONFIG --samplers N`: the trainer and N samplers as local subprocesses.
 
 They share `run_dir` (and the exchange under it unless `exchange.url` says otherwise). Each
-one's output goes to `run_dir/logs/<job>.log`; the trainer's JSON summary (its stdout) to
-`run_dir/logs/trainer.json`, printed at the end with the trainer's `summary:` lines (the
-reward lines `sparserl train` ends with). SIGINT and SIGTERM are forwarded to every
-child. A sampler that dies while the trainer runs is started again, at most `RESTARTS` times
-each; when no sampler is left, the trainer is stopped (SIGTERM: it checkpoints) and `launch`
-exits non-zero, saying which samplers ended how. Otherwise the exit status is the trainer's;
-samplers still running when it ends get `exchange.poll_s`-paced time to see the trainer's last
-heartbeat, then SIGTERM. `--trainer-cpus` / `--sampler-cpus` (Linux) pin the jobs to CPU sets,
-so the learner and the samplers do not take each other's cores.
+one's output goes to `run_dir/logs/<job>.log` (for a URL run_dir, `./logs/<its last part>/`:
+logs are this host's); the trainer's JSON summary (its stdout) to `.../trainer.json`, printed at
+the end with the trainer's `summary:` lines (the reward lines `sparserl train` ends with).
+SIGINT and SIGTERM are forwarded to every child. A sampler that dies while the trainer runs is
+started again, at most `RESTARTS` times each; when no sampler is left, the trainer is stopped
+(SIGTERM: it checkpoints) and `launch` exits non-zero, saying which samplers ended how.
+Otherwise the exit status is the trainer's; samplers still running when it ends get
+`exchange.poll_s`-paced time to see the trainer's last heartbeat, then SIGTERM. `--trainer-cpus`
+/ `--sampler-cpus` (Linux) pin the jobs to CPU sets, so the learner and the samplers do not take
+each other's cores.
 
 `--trainer-processes P` starts the trainer as P processes on a local coordinator
 (`run_dir/logs/trainer.log` is process 0's, `trainer-<p>.log` the others'). If any of them
@@ -29,6 +30,7 @@ import time
 from pathlib import Path
 
 from sparserl_jax.config import Config
+from sparserl_jax.storage import is_url
 
 __all__ = ["NO_SAMPLERS", "RESTARTS", "TRAINER_PROCESS_DIED", "launch", "parse_cpus"]
 
@@ -74,6 +76,14 @@ def _spawn(
                 stdout.close()
 
 
+def logs_dir(run_dir: str) -> Path:
+    """Where `launch` writes its jobs' logs: `<run_dir>/logs`, or for a URL run directory (the
+    logs are this host's) `./logs/<the URL's last part>`."""
+    if is_url(run_dir):
+        return Path("logs") / run_dir.rstrip("/").rsplit("/", 1)[-1]
+    return Path(run_dir) / "logs"
+
+
 def launch(
     cfg: Config,
     config_path: str,
@@ -93,7 +103,7 @@ def launch(
         raise ValueError(f"--samplers must be >= 1, got {samplers}")
     if trainer_processes < 1:
         raise ValueError(f"--trainer-processes must be >= 1, got {trainer_processes}")
-    logs = Path(cfg.run_dir) / "logs"
+    logs = logs_dir(cfg.run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     base = [sys.executable, "-m", "sparserl_jax"]
     join = []

@@ -2,18 +2,20 @@
 on) and `dropped.jsonl` (items dropped as stale, expired, corrupt or abandoned) in the run
 directory, and the check that they prove exactly-once.
 
-Rows are appended (flushed and fsynced) by the trainer only. A trainer checkpoint records how
-many rows each file had; a resumed trainer first cuts both files back to that position (rows
-of steps it is about to redo), so a resume never duplicates a row.
+Rows are appended (flushed and fsynced; to a URL run directory, once per step) by the trainer
+only. A trainer checkpoint records how many rows each file had; a resumed trainer first cuts
+both files back to that position (rows of steps it is about to redo), so a resume never
+duplicates a row.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from sparserl_jax.storage import JsonlFile, run_path
 
 __all__ = ["FILES", "Ledger", "check_exactly_once"]
 
@@ -21,54 +23,39 @@ FILES = ("consumed", "dropped")
 
 
 class Ledger:
-    """Append-only JSONL files `<run_dir>/consumed.jsonl` and `<run_dir>/dropped.jsonl`."""
+    """Append-only JSONL files `<run_dir>/consumed.jsonl` and `<run_dir>/dropped.jsonl` (a
+    local directory or a URL: `storage.JsonlFile`; call `flush` before a checkpoint counts the
+    rows)."""
 
     def __init__(self, run_dir: str | Path):
-        self.dir = Path(run_dir)
-        self.paths = {name: self.dir / f"{name}.jsonl" for name in FILES}
+        self.dir = run_path(run_dir)
+        self.files = {name: JsonlFile(self.dir / f"{name}.jsonl") for name in FILES}
+        self.paths = {name: f.path for name, f in self.files.items()}
         self._counts = {name: len(self.rows(name)) for name in FILES}
 
     def rows(self, name: str) -> list[dict[str, Any]]:
         """The complete rows of one file (a torn last line, from a kill mid-write, is skipped)."""
-        path = self.paths[name]
-        if not path.exists():
-            return []
-        out = []
-        lines = path.read_text().splitlines(keepends=True)
-        for i, line in enumerate(lines):
-            if not line.endswith("\n"):
-                break
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                if i == len(lines) - 1:
-                    break
-                raise ValueError(f"{path}: line {i + 1} is not JSON: {line[:80]!r}") from None
-        return out
+        return self.files[name].rows()
 
     def position(self) -> dict[str, int]:
         """Rows per file: what a checkpoint records."""
         return dict(self._counts)
 
     def truncate(self, position: dict[str, int]) -> None:
-        """Keep the first `position[name]` rows of each file (atomically: temp file + rename)."""
+        """Keep the first `position[name]` rows of each file (atomically)."""
         for name in FILES:
             keep = self.rows(name)[: int(position.get(name, 0))]
-            path = self.paths[name]
-            tmp = path.with_name(path.name + ".tmp")
-            with tmp.open("w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in keep)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            self.files[name].replace(keep)
             self._counts[name] = len(keep)
 
     def append(self, name: str, row: dict[str, Any]) -> None:
-        with self.paths[name].open("a") as f:
-            f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        self.files[name].append([row])
         self._counts[name] += 1
+
+    def flush(self) -> None:
+        """Store the rows a URL run directory holds back (a no-op for a local one)."""
+        for f in self.files.values():
+            f.flush()
 
 
 def check_exactly_once(run_dir: str | Path) -> dict[str, Any]:
@@ -121,7 +108,7 @@ def check_exactly_once(run_dir: str | Path) -> dict[str, Any]:
     if order and order != list(range(order[0], order[0] + len(order))):
         raise ValueError(f"data batches not trained in data order: {order[:20]}")
     batches = set(order)
-    pending_path = Path(run_dir) / "pending.json"
+    pending_path = run_path(run_dir) / "pending.json"
     pending = set(json.loads(pending_path.read_text())) if pending_path.exists() else set()
     covered = batches | pending
     issued = {r["batch"] for r in dropped if r["batch"] is not None} | covered

@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import time
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -66,6 +65,7 @@ from sparserl_jax.rl import Learner
 from sparserl_jax.rollout import RolloutResult
 from sparserl_jax.sft import drop_progress, run_warm_start
 from sparserl_jax.step import learn_step
+from sparserl_jax.storage import is_url, run_path, write_text
 from sparserl_jax.sync import Publisher, new_run_id
 from sparserl_jax.train import check_config
 
@@ -73,11 +73,13 @@ __all__ = ["exchange_url", "run_trainer"]
 
 
 def exchange_url(cfg: Config) -> str | dict:
-    """`exchange.url`, or `file://<run_dir>/exchange/` (absolute); an `s3://` url with an
+    """`exchange.url`, or `<run_dir>/exchange/` (`file://` and absolute for a local run_dir); an
+    `s3://` url with an
     `exchange.endpoint` as the kvstore spec that names the server."""
     xcfg = cfg.exchange
     if not xcfg.url:
-        return f"file://{Path(cfg.run_dir).absolute()}/exchange/"
+        root = run_path(cfg.run_dir)
+        return f"{root}/exchange/" if is_url(cfg.run_dir) else f"file://{root}/exchange/"
     if xcfg.endpoint is None:
         return xcfg.url
     bucket, _, path = xcfg.url.removeprefix("s3://").partition("/")
@@ -149,9 +151,9 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
         processes.refuse(cfg)
         if jax.process_index() != 0:
             return _run_follower(cfg, log_fn=log_fn)
-    run_dir = Path(cfg.run_dir)
+    run_dir = run_path(cfg.run_dir)  # a local directory or a URL (`storage`)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=1))
+    write_text(run_dir / "config.json", json.dumps(to_dict(cfg), indent=1))
     if exchange is None:
         exchange = Exchange(exchange_url(cfg), retries=cfg.exchange.retries)
     ex = exchange
@@ -173,7 +175,7 @@ def run_trainer(cfg: Config, *, log_fn=print, exchange: Exchange | None = None) 
 
 def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
     tcfg, acfg, xcfg = cfg.train, cfg.async_, cfg.exchange
-    run_dir = Path(cfg.run_dir)
+    run_dir = run_path(cfg.run_dir)
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     # Every prompt is read (and a long one skipped or refused) before the model is built.
     limit = PromptLimit(tokenizer, cfg.rollout.max_prompt_len)
@@ -260,6 +262,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
             "async": queue.state(),
             "digests": {str(v): d for v, d in usable.digests.items() if v in keep},
         }
+        ledger.flush()  # the rows the checkpoint counts are stored before it
         ckpt.save(step, {"learner": state}, meta)
         ckpt.wait()
         saved.append(step)
@@ -354,12 +357,13 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
             if tcfg.eval_every and step % tcfg.eval_every == 0 and step < tcfg.steps:
                 row.update(evaluate(step, None))
             writer.write(step, row)
+            ledger.flush()
             if step % tcfg.save_every == 0 or step == tcfg.steps or guard.requested:
                 save(step)
     if saved[-1] != step:  # stopped by a signal while waiting for a rollout
         save(step)
     events.stop(step)
-    (run_dir / "pending.json").write_text(json.dumps(queue.pending_batches()))
+    write_text(run_dir / "pending.json", json.dumps(queue.pending_batches()))
     done = not guard.requested
     if done:
         val = evaluate(step, "after")

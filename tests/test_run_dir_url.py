@@ -166,7 +166,8 @@ def _trainer_and_sampler(cfg, ctx):
     sampler = threading.Thread(
         target=lambda: got.update(
             run_sampler(cfg, "0", url="memory://", exchange=Exchange("memory://", context=ctx))
-        )
+        ),
+        daemon=True,  # a trainer that fails leaves no sampler waiting for it
     )
     sampler.start()
     summary = run_trainer(cfg, exchange=Exchange("memory://", context=ctx))

@@ -259,3 +259,40 @@ def test_trainer_on_gs_killed_and_restarted_elsewhere_completes_exactly_once(tmp
     rows = Ledger(url).rows("consumed")
     assert [r for r in rows if r["step"] <= 2] == [r for r in before if r["step"] <= 2]
     assert {r["epoch"] for r in rows if r["step"] > 2} == {2}
+
+
+@pytest.mark.slow
+def test_two_trainer_processes_on_gs_resume_bit_identical_to_local(tmp_path, gcs):
+    """`sparserl launch --trainer-processes 2` on a gs:// run_dir (both processes save and
+    restore their shards there; the leader alone writes the ledger and metrics): 2 steps, then
+    the same run to 4 resumes from the checkpoint both saved, exactly-once, and its step-4
+    arrays have the bits of an uninterrupted two-process run on a local run_dir."""
+    url = _url(gcs, "two")
+    fixed = ["data.batch_size=4", "async.max_staleness=0", "train.save_every=2"]
+    fixed += ["exchange.lease_s=20", "sft.steps=0", *FAST]
+    cmd = [sys.executable, "-m", "sparserl_jax", "launch", TINY, "--samplers", "1"]
+    cmd += ["--trainer-processes", "2", *fixed]
+    runs = [(url, 2), (url, 4), (str(tmp_path / "local"), 4)]
+    for run_dir, steps in runs:
+        where = [f"run_dir={run_dir}", f"train.steps={steps}"]
+        if run_dir == url:
+            where.append(f"exchange.url=file://{tmp_path}/exchange/")
+        done = subprocess.run(
+            [*cmd, *where],
+            cwd=tmp_path,  # the launcher's logs for a URL: ./logs/<the URL's last part>/
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    logs = tmp_path / "logs" / url.rsplit("/", 1)[-1]
+    summary = json.loads((logs / "trainer.json").read_text().strip().splitlines()[-1])
+    assert summary["start_step"] == 2 and summary["end_step"] == 4
+    assert check_exactly_once(url)["steps"] == 4
+
+    def digests(run_dir):
+        path = run_path(run_dir) / "checkpoints" / "4" / "digests" / "metadata"
+        return json.loads(path.read_text())["arrays"]
+
+    assert digests(url) == digests(tmp_path / "local")

@@ -18,6 +18,7 @@ from sparserl_jax.config import Config, GenerateConfig
 from sparserl_jax.models.hf import from_hf, to_hf
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine
 from sparserl_jax.sampler import completion_texts
+from sparserl_jax.storage import is_url
 
 __all__ = ["engine_config", "run_generate"]
 
@@ -43,6 +44,11 @@ def run_generate(cfg: Config, *, log_fn=print) -> dict:
     The round trip (export, re-import, compare logits) runs on every call: it is cheap on small
     models and proves the checkpoint path end to end. `log_fn` receives one line per prompt.
     """
+    if is_url(cfg.run_dir):
+        raise ValueError(
+            f"run_dir={cfg.run_dir}: `sparserl generate` exports a Hugging Face directory "
+            "there; give it a local path"
+        )
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     model = build_model(cfg.model)

@@ -89,6 +89,9 @@ def check_config(cfg: Config) -> None:
     trainer mesh, the user's reward function (imported, signature checked). Raises ValueError
     (or `DataError`, a ValueError) naming the settings to change."""
     rcfg = cfg.rollout
+    run_path(cfg.run_dir)  # a path, or a URL whose scheme and package are there
+    if cfg.train.tensorboard and is_url(cfg.run_dir):
+        raise ValueError(f"train.tensorboard needs a local run_dir, not {cfg.run_dir}")
     if rcfg.temperature > 0 and rcfg.temperature != cfg.learner.loss.temperature:
         raise ValueError(
             f"rollout.temperature={rcfg.temperature} but learner.loss.temperature="

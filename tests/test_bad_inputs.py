@@ -311,3 +311,19 @@ def test_what_several_trainer_processes_cannot_do_is_refused_in_one_line(overrid
         processes.refuse(cfg)
     assert "\n" not in str(err.value)
     processes.refuse(load_config(TINY, FAST))  # the rest passes
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["run_dir=ftp://host/run"], r"a local path, gs://bucket/dir or s3://bucket/dir"),
+        (["run_dir=gs://bucket/run", "train.tensorboard=true"], r"tensorboard needs a local"),
+    ],
+)
+def test_a_run_dir_url_nothing_can_reach_is_refused_before_the_model(monkeypatch, overrides, match):
+    pytest.importorskip("gcsfs")
+    _no_build(monkeypatch)
+    cfg = load_config(TINY, [*FAST, *overrides])
+    with pytest.raises(ValueError, match=match) as err:
+        train(cfg, log_fn=lambda m: None)
+    assert "\n" not in str(err.value)

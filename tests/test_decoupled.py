@@ -262,6 +262,44 @@ def test_trainer_kill9_then_same_command_completes_exactly_once(tmp_path):
         assert kinds and all(read_header(tr.get(v, k))["format"] == 3 for v, k in kinds)
 
 
+@pytest.mark.slow
+def test_an_old_trainer_resumed_with_sigcont_exits_without_writing(tmp_path):
+    """Trainer A is frozen (SIGSTOP) after its step-2 checkpoint; trainer B, the same command,
+    registers epoch 2, resumes and trains; A, resumed with SIGCONT, exits 5 at its next write
+    (the fence) and writes nothing: every ledger row after the checkpoint B resumed from is
+    epoch 2's, no checkpoint appears while A runs again, and the run completes exactly once."""
+    run = tmp_path / "run"
+    common = [TINY, f"run_dir={run}", "train.steps=6", "train.save_every=2"]
+    common += ["async.max_staleness=1", "exchange.lease_s=8", *FAST]
+    alog, blog, slog = (tmp_path / f"{x}.log" for x in ("a", "b", "sampler"))
+    sampler = _spawn("sampler", *common[:1], "--id", "0", *common[1:], log=slog)
+    a = _spawn("trainer", *common, log=alog)
+    _wait_for(lambda: (run / "checkpoints" / "2").is_dir(), a, "checkpoint 2")
+    a.send_signal(signal.SIGSTOP)
+    try:
+        b = _spawn("trainer", *common, log=blog)
+        _wait_for(
+            lambda: any(r["epoch"] == 2 for r in Ledger(run).rows("consumed")), b, "epoch 2's step"
+        )
+        b.send_signal(signal.SIGSTOP)  # B holds still while A runs again: what changes is A's
+        before = (Ledger(run).rows("consumed"), Ledger(run).rows("dropped"))
+        checkpoints = sorted(os.listdir(run / "checkpoints"))
+        a.send_signal(signal.SIGCONT)
+        assert a.wait(timeout=120) == 5, alog.read_text()[-3000:]
+        assert "trainer epoch 1 was superseded" in alog.read_text()
+        assert (Ledger(run).rows("consumed"), Ledger(run).rows("dropped")) == before
+        assert sorted(os.listdir(run / "checkpoints")) == checkpoints
+    finally:
+        a.send_signal(signal.SIGCONT)
+        b.send_signal(signal.SIGCONT)
+    assert b.wait(timeout=900) == 0, blog.read_text()[-3000:]
+    assert sampler.wait(timeout=120) == 0, slog.read_text()[-3000:]
+    assert check_exactly_once(run)["steps"] == 6
+    start = json.loads(blog.read_text().strip().splitlines()[-1])["start_step"]
+    rows = Ledger(run).rows("consumed")
+    assert start >= 2 and {r["epoch"] for r in rows if r["step"] > start} == {2}
+
+
 def _threads(cfg_trainer, cfg_sampler, ctx, *, sampler_first_s: float = 0.0):
     """Run a sampler (a thread, started `sampler_first_s` before the trainer, and still running
     then) and the trainer on one in-memory exchange; returns (trainer summary, sampler summary)."""

@@ -146,8 +146,9 @@ def tunix_qwen2(model: Transformer):
         dst["lm_head"]["w"] = src["lm_head"]["kernel"]
     for i in range(cfg.num_layers):
         s, d = src["layers"][i], dst["layers"][i]
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            d["attn"][name]["w"] = s["attn"][name]
+        for name in ("q_proj", "k_proj", "v_proj"):  # tunix keeps [D, heads, H]
+            d["attn"][name]["w"] = s["attn"][name].reshape(cfg.hidden_size, -1, cfg.head_dim)
+        d["attn"]["o_proj"]["w"] = s["attn"]["o_proj"]
         for name in ("q_bias", "k_bias", "v_bias"):
             d["attn"][name] = s["attn"][name].reshape(-1)
         d["input_layernorm"]["w"] = s["input_norm"]["weight"]

@@ -24,8 +24,11 @@ def param(
     *,
     init: str = "normal",
     fan_in: int | None = None,
+    units: tuple[int, ...] | None = None,
 ) -> nnx.Param:
-    """A parameter with logical axis names; `init` is normal (scaled by fan-in), zeros or ones."""
+    """A parameter with logical axis names; `init` is normal (scaled by fan-in), zeros or ones.
+    `units`: per dimension, how many consecutive elements a shard keeps together (a fused
+    `heads * head_dim` dimension is sharded by whole heads; `parallel.logical_to_spec`)."""
     if len(shape) != len(logical_axes):
         raise ValueError(f"shape {shape} and logical axes {logical_axes} differ in rank")
     if init == "zeros":
@@ -37,7 +40,9 @@ def param(
         value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
     else:
         raise ValueError(f"unknown init {init!r}")
-    return nnx.Param(value, logical_axes=tuple(logical_axes))
+    if units is None:
+        return nnx.Param(value, logical_axes=tuple(logical_axes))
+    return nnx.Param(value, logical_axes=tuple(logical_axes), shard_units=tuple(units))
 
 
 class RMSNorm(nnx.Module):

@@ -86,12 +86,18 @@ def logical_to_spec(
     shape: Sequence[int],
     mesh: Mesh,
     rules: Sequence[tuple[str, tuple[str, ...]]] = RULES,
+    units: Sequence[int] | None = None,
 ) -> PartitionSpec:
-    """PartitionSpec for a tensor of `shape` whose dimensions have these logical names."""
+    """PartitionSpec for a tensor of `shape` whose dimensions have these logical names.
+    `units[i]`: how many consecutive elements of dimension i belong together (a fused
+    `heads * head_dim` dimension: `head_dim`, so a shard holds whole heads); a mesh axis must
+    divide the dimension's count of units."""
+    units = units or (1,) * len(shape)
     table = dict(rules)
     used: set[str] = set()
     spec = []
-    for name, dim in zip(logical_axes, shape, strict=True):
+    for name, dim, unit in zip(logical_axes, shape, units, strict=True):
+        dim //= unit
         if name is not None and name not in table:
             raise KeyError(f"logical axis {name!r} has no rule; known: {sorted(table)}")
         chosen = []
@@ -135,9 +141,10 @@ def state_shardings(state, mesh: Mesh, rules=RULES):
     """
 
     def one(var):
-        axes = var.get_metadata().get("logical_axes")
+        meta = var.get_metadata()
+        axes, units = meta.get("logical_axes"), meta.get("shard_units")
         shape = var.shape if hasattr(var, "shape") else ()
-        spec = PartitionSpec() if axes is None else logical_to_spec(axes, shape, mesh, rules)
+        spec = PartitionSpec() if axes is None else logical_to_spec(axes, shape, mesh, rules, units)
         return var.replace(NamedSharding(mesh, spec))
 
     return jax.tree.map(one, state, is_leaf=_is_var)

@@ -150,6 +150,13 @@ class ModelConfig:
     def weight_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
 
+    @property
+    def fused_heads(self) -> bool:
+        """Whether the q/k/v projections are stored `[D, heads * H]` (heads a whole number of
+        the TPU's 128-lane tiles wide: the product splits into heads for free) rather than
+        `[D, heads, H]` (narrower heads, which XLA lays out per head either way)."""
+        return self.head_dim % 128 == 0
+
     def replace(self, **changes) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

@@ -3,8 +3,8 @@
 `from_hf(path)` reads `config.json` plus `model.safetensors` or a sharded set listed in
 `model.safetensors.index.json`; `to_hf(model, path)` writes a directory `transformers` loads.
 Layout differences are handled here only: HF stores projections as `[out, in]`, the model as
-`[in, out]` (`q_proj [D, N * H]`, sharded by whole heads) and `o_proj` split per head
-(`[N, H, D]`).
+`[in, out]`, q/k/v as `[D, N * H]` for heads a multiple of 128 wide and `[D, N, H]` otherwise
+(`ModelConfig.fused_heads`), `o_proj` split per head (`[N, H, D]`).
 """
 
 from __future__ import annotations
@@ -222,6 +222,11 @@ def tensor_mapping(cfg: ModelConfig) -> list[Mapping]:
     """Every HF tensor name with its place in the model and the layout transforms both ways."""
     d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
+    def in_proj(heads: int):  # HF [heads*H, D] <-> model [D, heads*H] or [D, heads, H]
+        if cfg.fused_heads:
+            return transpose
+        return (lambda w: w.T.reshape(d, heads, h), lambda w: w.reshape(d, heads * h).T)
+
     def head_bias(heads: int):  # HF [heads*H] <-> model [heads, H]
         return (lambda b: b.reshape(heads, h), lambda b: b.reshape(heads * h))
 
@@ -236,9 +241,9 @@ def tensor_mapping(cfg: ModelConfig) -> list[Mapping]:
         entries += [
             (p + "input_layernorm.weight", (*m, "input_norm", "weight"), *same),
             (p + "post_attention_layernorm.weight", (*m, "post_attn_norm", "weight"), *same),
-            (attn + "q_proj.weight", (*m, "attn", "q_proj"), *transpose),
-            (attn + "k_proj.weight", (*m, "attn", "k_proj"), *transpose),
-            (attn + "v_proj.weight", (*m, "attn", "v_proj"), *transpose),
+            (attn + "q_proj.weight", (*m, "attn", "q_proj"), *in_proj(n)),
+            (attn + "k_proj.weight", (*m, "attn", "k_proj"), *in_proj(k)),
+            (attn + "v_proj.weight", (*m, "attn", "v_proj"), *in_proj(k)),
             (attn + "o_proj.weight", (*m, "attn", "o_proj"), *out_proj),
             (mlp + "gate_proj.weight", (*m, "mlp", "gate_proj"), *transpose),
             (mlp + "up_proj.weight", (*m, "mlp", "up_proj"), *transpose),

@@ -33,6 +33,25 @@ ACT_BTKH = ("batch", "length", "act_kv_heads", None)
 ACT_BTV = ("batch", "length", "act_vocab")
 
 
+def _in_proj(rngs: nnx.Rngs, cfg: ModelConfig, heads: int, axis: str) -> nnx.Param:
+    """A q/k/v projection: `[D, heads * H]` when `cfg.fused_heads`, sharded by whole heads (as
+    `[D, heads, H]` the TPU tiles the small (heads per chip, H) minor dims and every decode
+    program carried a relayout of all layers' weights: 171 MiB per chip at 7B on v5e-8), else
+    `[D, heads, H]` (64-wide heads: splitting a lane-dense product into them would relayout the
+    activations instead, worse at 0.5B; docs/results.md)."""
+    d, h, wd = cfg.hidden_size, cfg.head_dim, cfg.weight_dtype
+    if cfg.fused_heads:
+        return param(rngs, (d, heads * h), ("embed", axis), wd, fan_in=d, units=(1, h))
+    return param(rngs, (d, heads, h), ("embed", axis, "head_dim"), wd, fan_in=d)
+
+
+def _project_heads(x: Array, w: Array, head_dim: int) -> Array:
+    """`x [..., D]` through a q/k/v projection (`_in_proj`), as `[..., heads, H]`."""
+    if w.ndim == 2:  # fused: one matmul, the split into lane-aligned heads a free reshape
+        return (x @ w).reshape(x.shape[:-1] + (-1, head_dim))
+    return jnp.einsum("...d,dnh->...nh", x, w)
+
+
 class Attention(nnx.Module):
     """GQA self-attention with optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
 
@@ -40,12 +59,9 @@ class Attention(nnx.Module):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         wd = cfg.weight_dtype
         self.cfg = cfg
-        # Stored lane-dense, `[D, heads * H]` (a head's H columns side by side), sharded by whole
-        # heads: as `[D, heads, H]` the TPU tiles the small (heads per chip, H) minor dims, and
-        # the matmul wants a relayout of every layer's weight (171 MiB per chip at 7B, v5e-8).
-        self.q_proj = param(rngs, (d, n * h), ("embed", "heads"), wd, fan_in=d, units=(1, h))
-        self.k_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), wd, fan_in=d, units=(1, h))
-        self.v_proj = param(rngs, (d, k * h), ("embed", "kv_heads"), wd, fan_in=d, units=(1, h))
+        self.q_proj = _in_proj(rngs, cfg, n, "heads")
+        self.k_proj = _in_proj(rngs, cfg, k, "kv_heads")
+        self.v_proj = _in_proj(rngs, cfg, k, "kv_heads")
         self.o_proj = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), wd, fan_in=n * h)
         if cfg.qkv_bias:
             self.q_bias = param(None, (n, h), ("heads", "head_dim"), wd, init="zeros")
@@ -63,10 +79,9 @@ class Attention(nnx.Module):
         """Queries (already scaled by 1/sqrt(H)), keys (after RoPE) and values."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         x = x_btd.astype(dt)
-        heads = x.shape[:-1] + (-1, cfg.head_dim)
-        q = (x @ self.q_proj[...].astype(dt)).reshape(heads)
-        k = (x @ self.k_proj[...].astype(dt)).reshape(heads)
-        v = (x @ self.v_proj[...].astype(dt)).reshape(heads)
+        q = _project_heads(x, self.q_proj[...].astype(dt), cfg.head_dim)
+        k = _project_heads(x, self.k_proj[...].astype(dt), cfg.head_dim)
+        v = _project_heads(x, self.v_proj[...].astype(dt), cfg.head_dim)
         if cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)[None, None]
             k = k + self.k_bias[...].astype(dt)[None, None]

@@ -39,7 +39,7 @@ def test_sharded_logits_equal_single_device(mesh_cfg, tied):
     model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(7)), mesh)
     q = model.layers[0].attn.q_proj[...]
     assert len(q.sharding.device_set) == 8
-    assert q.sharding.spec == PartitionSpec("fsdp", "tensor")
+    assert q.sharding.spec == PartitionSpec("fsdp", "tensor", None)  # 12-wide heads: [D, N, H]
     # Same initial weights bit for bit, whichever layout they were created in.
     np.testing.assert_array_equal(np.asarray(q), np.asarray(single.layers[0].attn.q_proj[...]))
 
@@ -101,14 +101,14 @@ def test_decode_matches_forward_fp32():
 
 
 def test_fused_head_projections_shard_by_whole_heads():
-    # q_proj is [D, N * H]: 6 heads of 8 over tensor 4 would split heads (48 columns divide by
-    # 4, 6 heads do not), so it stays replicated over tensor; so do 2 KV heads (16 columns).
-    # Over tensor 2 both split, 3 and 1 heads per device.
-    cfg = tiny_model_config(num_heads=6, num_kv_heads=2, head_dim=8)
+    # 128-wide heads: q_proj is [D, N * H]. 6 heads over tensor 4 would split heads (768
+    # columns divide by 4, 6 heads do not), so it stays replicated over tensor; so do 2 KV
+    # heads (256 columns). Over tensor 2 both split, 3 and 1 heads per device.
+    cfg = tiny_model_config(num_heads=6, num_kv_heads=2, head_dim=128)
     mesh = make_mesh(MeshConfig(fsdp=2, tensor=4))
     model = create_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(0)), mesh)
     attn = model.layers[0].attn
-    assert attn.q_proj[...].shape == (cfg.hidden_size, 48)
+    assert cfg.fused_heads and attn.q_proj[...].shape == (cfg.hidden_size, 768)
     assert attn.q_proj[...].sharding.spec == PartitionSpec("fsdp", None)
     assert attn.k_proj[...].sharding.spec == PartitionSpec("fsdp", None)
     mesh = make_mesh(MeshConfig(fsdp=4, tensor=2))

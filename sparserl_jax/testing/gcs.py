@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from unittest import mock
 
 from sparserl_jax.decoupled.launch import free_port
 
@@ -40,7 +41,6 @@ def gcs_emulator(bucket: str = "sparserl-test", *, timeout_s: float = 60.0) -> I
         "STORAGE_EMULATOR_HOST": url,
         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",  # tensorstore sends it instead of real creds
     }
-    saved = {k: os.environ.get(k) for k in env}
     # gcsfs warns on every filesystem it makes that it found no Google credentials.
     logging.getLogger("gcsfs").setLevel(logging.ERROR)
     try:
@@ -53,16 +53,11 @@ def gcs_emulator(bucket: str = "sparserl-test", *, timeout_s: float = 60.0) -> I
                 if server.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"the GCS emulator did not start on port {port}") from None
                 time.sleep(0.1)
-        os.environ.update(env)
-        yield url
+        with mock.patch.dict(os.environ, env):
+            yield url
     finally:
         server.kill()
         server.wait()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _serve(argv: list[str]) -> None:

@@ -170,6 +170,24 @@ def test_items_epochs_and_verdicts(tmp_path):
     assert (tmp_path / "x" / "sync" / "e000001" / "anchor-000000000000.psyn").exists()
 
 
+def test_a_writer_killed_before_its_rename_leaves_no_unreadable_record(tmp_path):
+    """TensorStore's file driver writes `<key>.__lock`, then renames it over the key; a writer
+    killed with -9 in between leaves the lock file, and the next writer of the key writes into
+    it from offset 0 without cutting it. A shorter record then carries the dead writer's tail
+    (a clean-clone CI run saw it: a restarted trainer's item 7 unreadable, its samplers waiting
+    until they gave up). The record read is the one written."""
+    ex = Exchange(f"file://{tmp_path}/x/")
+    dead = _item(7, batch=3)
+    lock = tmp_path / "x" / "items" / "000000000007.json.__lock"
+    lock.parent.mkdir(parents=True)
+    lock.write_bytes(dead.to_json())  # longer than what the next writer writes
+    item = dataclasses.replace(_item(7, batch=1), examples=dead.examples[:0])
+    ex.put_item(item)
+    raw = (tmp_path / "x" / "items" / "000000000007.json").read_bytes()
+    assert raw.startswith(item.to_json())
+    assert ex.item(7) == item
+
+
 def test_unreachable_exchange_raises_not_hangs():
     ex = Exchange("file:///proc/definitely/not/here/", timeout=5, retries=1, backoff_s=0.01)
     with pytest.raises(

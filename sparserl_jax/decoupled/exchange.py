@@ -40,6 +40,7 @@ from sparserl_jax.decoupled.records import (
     WorkItem,
     decode_rollout,
     encode_rollout,
+    loads,
 )
 from sparserl_jax.sync import KvStoreTransport
 
@@ -223,7 +224,7 @@ class Exchange:
 
     def epoch_record(self, epoch: int) -> dict[str, Any] | None:
         raw, _ = self.read(f"trainer/epoch-{epoch:06d}")
-        return None if raw is None else json.loads(raw)
+        return None if raw is None else loads(raw)
 
     def sync_transport(self, epoch: int) -> KvStoreTransport:
         """The PULSESync transport of incarnation `epoch` (its own key prefix, so a resumed
@@ -253,7 +254,7 @@ class Exchange:
 
     def pulse(self, name: str) -> tuple[dict[str, Any] | None, bytes]:
         raw, gen = self.read(name)
-        return (None if raw is None else json.loads(raw)), gen
+        return (None if raw is None else loads(raw)), gen
 
     # -- work items ---------------------------------------------------------------------------
 
@@ -338,7 +339,7 @@ class Exchange:
 
     def claim_state(self, item_id: int) -> tuple[dict[str, Any] | None, bytes]:
         raw, gen = self.read(f"claims/{_id(item_id)}")
-        return (None if raw is None else json.loads(raw)), gen
+        return (None if raw is None else loads(raw)), gen
 
     def claimed_ids(self) -> set[int]:
         return set(self._ids("claims/"))
@@ -364,7 +365,7 @@ class Exchange:
     @staticmethod
     def _marker_sha256(marker: bytes) -> str | None:
         try:
-            return str(json.loads(marker)["sha256"])
+            return str(loads(marker)["sha256"])
         except (ValueError, KeyError, TypeError):
             return None
 
@@ -380,7 +381,7 @@ class Exchange:
             raise CorruptRolloutError(f"rollout of item {item_id} is not the one judged elsewhere")
         blob, _ = self.read(f"rollouts/{key}.npz")
         try:
-            expect = json.loads(marker)
+            expect = loads(marker)
             ok = blob is not None and len(blob) == expect["nbytes"]
             ok = ok and hashlib.sha256(blob).hexdigest() == expect["sha256"]
         except (ValueError, KeyError, TypeError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+from typing import Any
 
 import numpy as np
 
@@ -25,6 +26,17 @@ __all__ = [
 class CorruptRolloutError(ValueError):
     """A rollout blob whose bytes do not match the checksum in its READY marker (or that does
     not decode)."""
+
+
+def loads(raw: bytes | str) -> Any:
+    """A JSON record read from the exchange: its first JSON document, whatever follows it.
+    TensorStore's file driver writes a value into `<key>.__lock` and renames it into place; a
+    writer killed with -9 before the rename leaves that file behind, and the next writer of the
+    key rewrites it from offset 0 without cutting it, so a shorter value keeps the dead one's
+    tail (seen: a restarted trainer's item 7 followed by 40 bytes of its predecessor's). Every
+    record is written whole from offset 0, so its first document is the value written."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return json.JSONDecoder().raw_decode(text.lstrip())[0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +64,7 @@ class WorkItem:
 
     @classmethod
     def from_json(cls, raw: bytes) -> WorkItem:
-        d = json.loads(raw)
+        d = loads(raw)
         d["examples"] = [Example(**{**e, "numbers": tuple(e["numbers"])}) for e in d["examples"]]
         return cls(**d)
 

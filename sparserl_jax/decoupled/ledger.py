@@ -30,7 +30,6 @@ class Ledger:
     def __init__(self, run_dir: str | Path):
         self.dir = run_path(run_dir)
         self.files = {name: JsonlFile(self.dir / f"{name}.jsonl") for name in FILES}
-        self.paths = {name: f.path for name, f in self.files.items()}
         self._counts = {name: len(self.rows(name)) for name in FILES}
 
     def rows(self, name: str) -> list[dict[str, Any]]:

@@ -45,10 +45,18 @@ def _in_proj(rngs: nnx.Rngs, cfg: ModelConfig, heads: int, axis: str) -> nnx.Par
     return param(rngs, (d, heads, h), ("embed", axis, "head_dim"), wd, fan_in=d)
 
 
-def _project_heads(x: Array, w: Array, head_dim: int) -> Array:
-    """`x [..., D]` through a q/k/v projection (`_in_proj`), as `[..., heads, H]`."""
-    if w.ndim == 2:  # fused: one matmul, the split into lane-aligned heads a free reshape
+def _project_heads(x: Array, w: Array, head_dim: int, *, one_matmul: bool) -> Array:
+    """`x [..., D]` through a q/k/v projection (`_in_proj`), as `[..., heads, H]`.
+
+    A fused weight is one matmul with a free split into lane-aligned heads when `one_matmul`
+    (decode and prefill: the einsum there relayouts every layer's weight per program), else the
+    einsum on its `[D, heads, H]` view (teacher forcing at long T: one matmul there cost the 7B
+    learner step at 32K 0.91 GiB more temporaries per chip; docs/results.md).
+    """
+    if w.ndim == 2 and one_matmul:
         return (x @ w).reshape(x.shape[:-1] + (-1, head_dim))
+    if w.ndim == 2:
+        w = w.reshape(w.shape[0], -1, head_dim)
     return jnp.einsum("...d,dnh->...nh", x, w)
 
 
@@ -74,14 +82,16 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=wd, axis_name="head_dim")
 
     def project(
-        self, x_btd: Float[Array, "B T D"], positions_bt: Int[Array, "B T"]
+        self, x_btd: Float[Array, "B T D"], positions_bt: Int[Array, "B T"], *, decoding: bool
     ) -> tuple[Float[Array, "B T N H"], Float[Array, "B T K H"], Float[Array, "B T K H"]]:
-        """Queries (already scaled by 1/sqrt(H)), keys (after RoPE) and values."""
+        """Queries (already scaled by 1/sqrt(H)), keys (after RoPE) and values; `decoding`
+        picks the formulation of fused projections (`_project_heads`), not the result."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         x = x_btd.astype(dt)
-        q = _project_heads(x, self.q_proj[...].astype(dt), cfg.head_dim)
-        k = _project_heads(x, self.k_proj[...].astype(dt), cfg.head_dim)
-        v = _project_heads(x, self.v_proj[...].astype(dt), cfg.head_dim)
+        q, k, v = (
+            _project_heads(x, w[...].astype(dt), cfg.head_dim, one_matmul=decoding)
+            for w in (self.q_proj, self.k_proj, self.v_proj)
+        )
         if cfg.qkv_bias:
             q = q + self.q_bias[...].astype(dt)[None, None]
             k = k + self.k_bias[...].astype(dt)[None, None]
@@ -184,7 +194,7 @@ class Block(nnx.Module):
         """Teacher forcing: causal attention within segments (`models.attention`), replaying a
         sparse sampler's evictions when given."""
         cfg = self.attn.cfg
-        q, k, v = self.attn.project(self.input_norm(x_btd), positions_bt)
+        q, k, v = self.attn.project(self.input_norm(x_btd), positions_bt, decoding=False)
         o = causal_attention(
             q,
             k,
@@ -377,7 +387,7 @@ class Transformer(nnx.Module):
         cache, positions_bt = cache.begin_step(token_mask_bt)
         x = self.embed_tokens(tokens_bt)
         for i, layer in enumerate(self.layers):
-            q, k, v = layer.attn.project(layer.input_norm(x), positions_bt)
+            q, k, v = layer.attn.project(layer.input_norm(x), positions_bt, decoding=True)
             o, cache = cache.attend(i, q, k, v)
             x = x + layer.attn.output(o).astype(x.dtype)
             x = x + layer.mlp(layer.post_attn_norm(x)).astype(x.dtype)

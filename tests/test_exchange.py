@@ -128,6 +128,9 @@ def test_rollout_blob_round_trip_and_checksum(tmp_path, which):
     ex.write("rollouts/000000000003.npz", encode_rollout(r)[:-10])
     with pytest.raises(CorruptRolloutError):
         ex.rollout(3)
+    # Bytes past the marker's size (a dead writer's tail, `records.loads`) are not the blob's.
+    ex.write("rollouts/000000000003.npz", encode_rollout(r) + b"\0" * 40)
+    assert ex.rollout(3).state_digest == "abc"
     with pytest.raises(CorruptRolloutError):
         decode_rollout(b"not a zip")
     ex.put_rollout(r)

@@ -85,7 +85,12 @@ class InProcessTransport(Transport):
 class KvStoreTransport(Transport):
     """TensorStore kvstore: `url` like `file:///dir/` or `memory://`, or a kvstore spec dict.
 
-    Keys: `<kind>-<version:012d>.psyn` for the blob, then `READY/<kind>-<version:012d>` (empty).
+    Keys: `<kind>-<version:012d>.psyn` for the blob, then `READY/<kind>-<version:012d>` holding
+    the blob's size in decimal and a newline; a reader keeps that many bytes. (TensorStore's
+    file driver rewrites a dead writer's `<key>.__lock` from offset 0 without cutting it, so a
+    publisher killed before its rename and restarted with a shorter blob left the dead one's
+    tail, which the decoder refuses as trailing bytes. An empty marker, from before, keeps the
+    whole value.)
     `context`: a `tensorstore.Context`; two `memory://` stores share data only within one context.
     """
 
@@ -104,15 +109,19 @@ class KvStoreTransport(Transport):
         _check_kind(kind)
         key = self._key(version, kind)
         self._kv.write(f"{key}.psyn", blob).result(timeout=self.timeout)
-        self._kv.write(f"READY/{key}", b"").result(timeout=self.timeout)
+        self._kv.write(f"READY/{key}", f"{len(blob)}\n".encode()).result(timeout=self.timeout)
 
     def get(self, version: int, kind: Kind) -> bytes | None:
         _check_kind(kind)
         key = self._key(version, kind)
-        if self._kv.read(f"READY/{key}").result(timeout=self.timeout).state != "value":
+        ready = self._kv.read(f"READY/{key}").result(timeout=self.timeout)
+        if ready.state != "value":
             return None
         r = self._kv.read(f"{key}.psyn").result(timeout=self.timeout)
-        return bytes(r.value) if r.state == "value" else None
+        if r.state != "value":
+            return None
+        size, newline, _ = bytes(ready.value).partition(b"\n")  # a marker may carry a tail too
+        return bytes(r.value)[: int(size)] if newline else bytes(r.value)
 
     def versions(self, kind: Kind) -> list[int]:
         _check_kind(kind)

@@ -87,6 +87,24 @@ def test_kvstore_round_trip_with_ready_markers(kind, tmp_path):
     assert reader.versions("patch") == [1, 2, 3]
 
 
+def test_a_publisher_killed_before_its_rename_leaves_no_unreadable_blob(tmp_path):
+    """TensorStore's file driver rewrites a dead writer's `<key>.__lock` from offset 0 without
+    cutting it (`decoupled.records.loads`): a publisher killed before its renames, restarted
+    with a shorter blob for the same version, left the dead blob's tail behind it, and the
+    decoder refused the patch ("trailing bytes"). The reader keeps the size its marker names."""
+    writer = KvStoreTransport(f"file://{tmp_path}/sync/")
+    (tmp_path / "sync" / "READY").mkdir(parents=True)
+    (tmp_path / "sync" / "patch-000000000003.psyn.__lock").write_bytes(b"\xff" * 4096)
+    (tmp_path / "sync" / "READY" / "patch-000000000003.__lock").write_bytes(b"123456789\n")
+    writer.put(3, "patch", b"the blob written")
+    assert (tmp_path / "sync" / "patch-000000000003.psyn").stat().st_size == 4096  # the tail
+    assert writer.get(3, "patch") == b"the blob written"
+    # A marker from before sizes were written (empty) keeps the whole value.
+    (tmp_path / "sync" / "READY" / "anchor-000000000000").write_bytes(b"")
+    (tmp_path / "sync" / "anchor-000000000000.psyn").write_bytes(b"old")
+    assert writer.get(0, "anchor") == b"old"
+
+
 RECEIVER_SCRIPT = textwrap.dedent(
     """
     import json, os, sys

@@ -178,9 +178,9 @@ def _measure_learner(row: dict, cfg: Config, model_cfg: ModelConfig, devices: li
 
 def _measure_engine(row: dict, cfg: Config, model_cfg: ModelConfig, devices: list) -> dict:
     mesh_cfg = None
-    if row.get("mesh"):  # [data, tensor]: each data shard its own slots and pages
-        data, tensor = row["mesh"]
-        mesh_cfg = MeshConfig(data=data, fsdp=1, tensor=tensor)
+    if row.get("mesh"):  # [data, (fsdp,) tensor]: each data x fsdp shard its slots and pages
+        data, *fsdp, tensor = row["mesh"]
+        mesh_cfg = MeshConfig(data=data, fsdp=fsdp[0] if fsdp else 1, tensor=tensor)
     engine, params, cache, slots, prefill_in = tpu_aot.engine_inputs(
         model_cfg, cfg.rollout, devices, mesh_cfg
     )

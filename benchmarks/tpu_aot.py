@@ -38,6 +38,7 @@ from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rl.learner import Learner, LearnerState, RLBatch
 from sparserl_jax.rl.objective import micro_loss
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine
+from sparserl_jax.rollout.shards import slot_spec
 
 TOPOLOGIES = ("v5e:2x2", "v5p:2x2x1", "v6e:2x2")
 POLICIES = ("none", "streaming", "snapkv", "h2o", "rkv")
@@ -167,7 +168,7 @@ def engine_inputs(
         cache, slots, host = _place((cache, slots, host), rep)
     else:
         param_sh = nnx.to_pure_dict(state_shardings(nnx.state(abstract), mesh))
-        by_slot = NamedSharding(mesh, PartitionSpec("data" if engine.data > 1 else None))
+        by_slot = NamedSharding(mesh, slot_spec(mesh))
         host = _place(host, by_slot)
     params = _place(engine.default_params, param_sh)
     return engine, params, cache, slots, host

@@ -155,8 +155,10 @@ class TrainConfig:
       topology: `colocated` or `split` (trainer and sampler on disjoint devices).
       sampler_devices: with `split`, how many devices (the last ones) the sampler gets; the
         trainer mesh (`mesh:` section) is laid over the rest. The sampler's mesh is data x
-        tensor with `sampler_tensor` on tensor (weights, heads, vocabulary), the rest on data
-        (each data shard its own rollout slots and KV pages).
+        fsdp x tensor with `sampler_tensor` on tensor (weights, heads, vocabulary),
+        `sampler_fsdp` on fsdp (weights split by their hidden dim, gathered a layer at a time
+        as they run: for weights that do not fit a chip otherwise), the rest on data; each
+        data x fsdp shard holds its own rollout slots and KV pages.
       save_every: checkpoint every this many steps (and at the end, and on SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
       async_checkpoint: save in the background.
@@ -178,6 +180,7 @@ class TrainConfig:
     topology: Topology = "colocated"
     sampler_devices: int = 1
     sampler_tensor: int = 1
+    sampler_fsdp: int = 1
     save_every: int = 50
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
@@ -196,12 +199,14 @@ class TrainConfig:
             raise ConfigError(
                 f"train.topology {self.topology!r} unknown; expected colocated, split"
             )
-        if min(self.sampler_devices, self.sampler_tensor) < 1 or (
-            self.sampler_devices % self.sampler_tensor
+        split = self.sampler_tensor * self.sampler_fsdp
+        if min(self.sampler_devices, self.sampler_tensor, self.sampler_fsdp) < 1 or (
+            self.sampler_devices % split
         ):
             raise ConfigError(
                 f"train.sampler_devices={self.sampler_devices} must be >= 1 and divide by "
-                f"train.sampler_tensor={self.sampler_tensor}"
+                f"train.sampler_tensor={self.sampler_tensor} x "
+                f"train.sampler_fsdp={self.sampler_fsdp}"
             )
         if self.save_every < 1 or self.keep_checkpoints < 1:
             raise ConfigError(

@@ -8,8 +8,9 @@ one greedy completion per prompt).
 Meshes: `colocated` lays one mesh over every device (the sampler's weights live on the learner's
 devices); `split` gives the last `train.sampler_devices` devices to the sampler and the rest to
 the trainer, and the patch is applied onto the sampler mesh in-process. The sampler mesh is data
-x tensor (`train.sampler_tensor`): weights over tensor, each data shard its own rollout slots and
-KV pages (`rollout.shards`).
+x fsdp x tensor (`train.sampler_fsdp`, `train.sampler_tensor`): weights over tensor (and their
+hidden dim over fsdp), each data x fsdp shard its own rollout slots and KV pages
+(`rollout.shards`).
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def make_meshes(
             trainer = make_mesh(mesh_cfg, devices[: len(devices) - k])
         except ValueError as e:
             raise ValueError(f"{e} ({trainer_devices(train_cfg, len(devices))})") from None
-        split = MeshConfig(data=-1, fsdp=1, tensor=train_cfg.sampler_tensor)
+        split = MeshConfig(data=-1, fsdp=train_cfg.sampler_fsdp, tensor=train_cfg.sampler_tensor)
         sampler = make_mesh(split, devices[len(devices) - k :])
     if rollout is not None:
         check_split(

@@ -228,7 +228,7 @@ def test_rollout_slots_that_do_not_split_over_the_sampler_mesh(
 
 
 def test_sampler_tensor_must_divide_the_sampler_devices():
-    with pytest.raises(ConfigError, match="must be >= 1 and divide by train.sampler_tensor=3"):
+    with pytest.raises(ConfigError, match="must be >= 1 and divide by train.sampler_tensor=3 x"):
         load_config(TINY, ["train.sampler_devices=4", "train.sampler_tensor=3"])
 
 

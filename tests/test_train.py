@@ -63,9 +63,10 @@ def test_step_seeds_are_a_function_of_seed_and_step():
 
 @pytest.mark.slow
 def test_split_topology_end_to_end_and_sigterm(tmp_path):
-    """Trainer on 4 fake devices, sampler on the other 4 (data 2 x tensor 2: each data shard
-    its own rollout slots and pages): every step's patch is applied onto the sampler mesh and
-    verified; metrics and checkpoints are written. A SIGTERM during step 2
+    """Trainer on 4 fake devices, sampler on the other 4 (fsdp 2 x tensor 2: each fsdp shard
+    its own rollout slots and pages and half of each weight's hidden dim, gathered a layer at a
+    time): every step's patch is applied onto the sampler mesh and verified; metrics and
+    checkpoints are written. A SIGTERM during step 2
     ends the run after that step with a checkpoint."""
     cfg = load_config(
         TINY,
@@ -73,7 +74,8 @@ def test_split_topology_end_to_end_and_sigterm(tmp_path):
             f"run_dir={tmp_path}",
             "train.topology=split",
             "train.sampler_devices=4",
-            "train.sampler_tensor=2",  # the sampler's mesh: data 2 x tensor 2
+            "train.sampler_tensor=2",  # the sampler's mesh: fsdp 2 x tensor 2
+            "train.sampler_fsdp=2",
             "train.steps=5",
             "train.save_every=10",
             "train.eval_examples=2",

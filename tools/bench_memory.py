@@ -8,6 +8,7 @@ ahead of time for TPU v5p from this CPU host (needs libtpu: `make test-tpu-aot` 
         --learner-programs step loss_grad             # + one micro-batch's loss and gradient
     python tools/bench_memory.py --no-learner --engine-chips 8 --engine-topology v5e:2x4 \\
         --engine-mesh 2x4                             # the 7B engine on v5e-8, data 2 x tensor 4
+                                                      # (1x2x4: fsdp 2 x tensor 4)
     python tools/bench_memory.py --presets qwen2.5-0.5b --seq-lens 4096 --no-engine \\
         --set learner.num_micro_batches=2 --set learner.loss.entropy_coef=0.01
 
@@ -101,7 +102,9 @@ def main() -> None:
     p.add_argument("--engine-chips", type=int, default=1, help="chips of the engine's mesh")
     p.add_argument("--engine-topology", help="e.g. v5e:2x4 (default: v5p's for the chips)")
     p.add_argument(
-        "--engine-mesh", help="DATAxTENSOR, e.g. 2x4: each data shard its own slots and pages"
+        "--engine-mesh",
+        help="DATAxTENSOR (2x4) or DATAxFSDPxTENSOR (1x2x4): each data x fsdp shard its own "
+        "slots and pages; weights split over fsdp, gathered a layer at a time",
     )
     p.add_argument("--timeout", type=float, default=None, help="seconds per config")
     p.add_argument("--in-process", action="store_true", help="no subprocess per config")

@@ -144,16 +144,17 @@ class PagedKVCache:
             mesh=mesh,
         )
 
-    def shardings(self, *, stacked: str | None = None) -> PagedKVCache:
+    def shardings(self, *, stacked: str | tuple[str, ...] | None = None) -> PagedKVCache:
         """A matching tree of `NamedSharding`s on `mesh`: pools (and the query window and the
         attention mass) split over the mesh by KV head when their count divides by its size,
         as the kernels split them (`on_mesh`); page tables, lengths and counters replicated.
 
         `stacked`: the shardings of a stack of such caches on a new leading axis, split over
-        that mesh axis (the rollout engine's data shards), the heads over the other axes."""
+        that mesh axis or axes (the rollout engine's data shards), the heads over the others."""
         if self.mesh is None:
             raise ValueError("PagedKVCache.shardings needs a cache created with a mesh")
-        axes = kv_head_axes(self.mesh, self.kv_heads, skip=(stacked,) if stacked else ())
+        skip = (stacked,) if isinstance(stacked, str) else stacked or ()
+        axes = kv_head_axes(self.mesh, self.kv_heads, skip=skip)
         lead = [stacked] if stacked else []
 
         def by_head(dim: int | None):

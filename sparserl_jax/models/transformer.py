@@ -60,6 +60,25 @@ def _project_heads(x: Array, w: Array, head_dim: int, *, one_matmul: bool) -> Ar
     return jnp.einsum("...d,dnh->...nh", x, w)
 
 
+class Parts:
+    """How `Transformer.decode` runs its embedding, each layer and its head: on the weights as
+    stored (this class). An engine whose weights are split over `fsdp` runs them from its
+    shards instead (`rollout.shards.FsdpParts`)."""
+
+    def embed(self, model: Transformer, tokens_bt: Array) -> Array:
+        return model.embed_tokens(tokens_bt)
+
+    def layer(self, model: Transformer, i: int, x_btd: Array) -> tuple[Block, Array]:
+        """Layer `i` as it runs on `x_btd` (and `x_btd`, which it may tie the layer to)."""
+        return model.layers[i], x_btd
+
+    def logits(self, model: Transformer, h_btd: Array) -> Array:
+        return model.logits(h_btd)
+
+
+AS_STORED = Parts()
+
+
 class Attention(nnx.Module):
     """GQA self-attention with optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3)."""
 
@@ -374,6 +393,8 @@ class Transformer(nnx.Module):
         cache: DecodeCache,
         token_mask_bt: Bool[Array, "B T"] | None = None,
         logits_at_bk: Int[Array, "B K"] | None = None,
+        *,
+        parts: Parts = AS_STORED,
     ) -> tuple[Float[Array, "B K V"], DecodeCache]:
         """Run T new tokens per row through the cache (prefill when T > 1, a decode step when 1).
 
@@ -381,12 +402,14 @@ class Transformer(nnx.Module):
         Returns fp32 logits and the updated cache: for every new token (`[B, T, V]`) when
         `logits_at_bk` is None, else only at those indices into the T new tokens of each row
         (`[B, K, V]`; a prefill needs only each prompt's last token, not `[B, T, V]`).
+        `parts` runs the embedding, each layer and the head (`Parts`: on the weights as stored).
         """
         if token_mask_bt is None:
             token_mask_bt = jnp.ones(tokens_bt.shape, dtype=bool)
         cache, positions_bt = cache.begin_step(token_mask_bt)
-        x = self.embed_tokens(tokens_bt)
-        for i, layer in enumerate(self.layers):
+        x = parts.embed(self, tokens_bt)
+        for i in range(len(self.layers)):
+            layer, x = parts.layer(self, i, x)
             q, k, v = layer.attn.project(layer.input_norm(x), positions_bt, decoding=True)
             o, cache = cache.attend(i, q, k, v)
             x = x + layer.attn.output(o).astype(x.dtype)
@@ -395,4 +418,4 @@ class Transformer(nnx.Module):
         if logits_at_bk is not None:
             # The final norm and the head are per position: gather first, project K positions.
             x = jnp.take_along_axis(x, logits_at_bk[:, :, None], axis=1)
-        return self.logits(self.final_norm(x)), cache
+        return parts.logits(self, self.final_norm(x)), cache

@@ -23,10 +23,11 @@ the pool's free count): finished slots hand their rows to the result; waiting re
 admitted into free slots while the pool can still give every live slot its worst case, so the
 pool never overflows and memory is bounded by the pool, not by batch x max length.
 
-On a mesh (`mesh=`, weights laid out by `parallel.sharding`): the model's heads, MLP columns and
-vocabulary split over `tensor`, the pools over KV heads where their count divides by it, and
-with `data` > 1 each data shard holds its own slots, page pool and free-page stack, the programs
-running per shard (`rollout.shards`); tokens equal one device's for the same keys.
+On a mesh (`mesh=`, weights laid out by `parallel.sharding`): heads, MLP columns and vocabulary
+split over `tensor`, pools over KV heads where their count divides by it; over `data` x `fsdp`
+each shard holds its own slots, pages and free-page stack and runs the programs on them
+(`rollout.shards`: weights split over `fsdp` are gathered a layer at a time); tokens as one
+device's for the same keys.
 """
 
 from __future__ import annotations
@@ -66,10 +67,13 @@ from sparserl_jax.rollout.sampling import request_keys, sample, step_keys
 from sparserl_jax.rollout.shards import (
     any_slot,
     data_shards,
+    engine_parts,
     flat_slots,
     jit_programs,
     shard_admit,
+    shard_max,
     slot_record,
+    weight_specs,
 )
 
 
@@ -92,20 +96,22 @@ class RolloutEngine:
             )
         self.default_params = nnx.to_pure_dict(state)
         self.stop_ids = jnp.asarray(list(config.stop_token_ids) or [-1], jnp.int32)
-        # Data shards (`rollout.shards`): each its own slots, pages and free-page stack.
-        self.data = data_shards(mesh)
+        # Data shards (`rollout.shards`); weights as `specs` (None: whole, else split).
+        self.data, specs = data_shards(mesh), weight_specs(state, mesh)
+        self._parts = engine_parts(specs)
         self._page_bytes = jax.eval_shape(self._empty)[0].page_bytes
         self._init, self._prefill, self._chunk, self._refill = jit_programs(
             mesh,
             config,
             self._empty,
             {"prefill": self._prefill_impl, "chunk": self._chunk_impl, "refill": self._refill_impl},
+            specs,
         )
 
     # ---- device programs -------------------------------------------------------------------
 
     def _prefill_impl(self, params, cache, slots: SlotState, tokens_sp, lens_s, fill_s, req_s4):
-        model = nnx.merge(self.graphdef, params)
+        decode = functools.partial(nnx.merge(self.graphdef, params).decode, parts=self._parts)
         # req_s4 = (seed, prompt index, sample index, per-prompt seed?) of each filled slot.
         keys_s2 = request_keys(
             req_s4[:, 0].astype(jnp.uint32), req_s4[:, 1], req_s4[:, 2], req_s4[:, 3] > 0
@@ -117,8 +123,7 @@ class RolloutEngine:
         order_r = jnp.argsort(~fill_s, stable=True).astype(jnp.int32)
         order_r = jnp.concatenate([order_r, jnp.full((cdiv(s, g) * g - s,), s, jnp.int32)])
         num_fill = jnp.sum(fill_s.astype(jnp.int32))
-        if self.data > 1:  # every data shard runs the same groups (the same program)
-            num_fill = jax.lax.pmax(num_fill, "data")
+        num_fill = shard_max(num_fill, self.data)  # every shard runs the same groups
         # A filled slot is empty (new or released), so its prompt lands in its first pages:
         # each group attends over those, not over the slot's whole capacity.
         cols = min(cache.page_table.shape[1], cdiv(p, cache.page_size))
@@ -138,7 +143,7 @@ class RolloutEngine:
             sub = slot_rows(cache, read_g, cols)
             # Only each prompt's last token's logits are needed (never [S, P, V]): the KV
             # policies' window scoring reads the queries the cache records, not logits.
-            logits_g1v, sub = model.decode(tokens_sp[read_g], sub, mask_gp, last_s[read_g][:, None])
+            logits_g1v, sub = decode(tokens_sp[read_g], sub, mask_gp, last_s[read_g][:, None])
             write_g = jnp.where(fill_g, rows_g, s)  # rows not filled keep their state
             cache = set_slot_rows(cache, sub, write_g, cols)
             logits_sv = logits_sv.at[write_g].set(logits_g1v[:, 0].astype(jnp.float32), mode="drop")
@@ -147,7 +152,7 @@ class RolloutEngine:
         if g == s:  # one group holds every slot: no loop, no gather of rows
             mask_sp = (jnp.arange(p, dtype=jnp.int32)[None, :] < lens_s[:, None]) & fill_s[:, None]
             sub = dataclasses.replace(cache, page_table=cache.page_table[:, :cols])
-            logits_s1v, sub = model.decode(tokens_sp, sub, mask_sp, last_s[:, None])
+            logits_s1v, sub = decode(tokens_sp, sub, mask_sp, last_s[:, None])
             cache = merge_slot_rows(cache, sub, fill_s, cols)
             logits_sv = jnp.where(
                 fill_s[:, None], logits_s1v[:, 0].astype(jnp.float32), slots.logits_sv
@@ -196,7 +201,7 @@ class RolloutEngine:
         # the cache it reads has lost an entry already.
         hit_s = live_s & (cache.evicted_b > 0) & (slots.first_evicted_s == NEVER)
         first_evicted_s = jnp.where(hit_s, generated_s, slots.first_evicted_s)
-        logits_s1v, cache = model.decode(tok_s[:, None], cache, live_s[:, None])
+        logits_s1v, cache = model.decode(tok_s[:, None], cache, live_s[:, None], parts=self._parts)
         evicted_s = jnp.where(finish_s, cache.evicted_b, slots.evicted_s)
         # A finished sequence gives its pages back in the step it ends, not at the chunk's end.
         # Unconditional (a no-op when nothing finished): it touches only the small page-table

@@ -15,18 +15,29 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec
 
 from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.parallel.sharding import MeshConfig, make_mesh, shard_model
 from sparserl_jax.rollout import RolloutConfig, RolloutEngine, dense_logprobs
+from sparserl_jax.rollout.shards import weight_specs
 from sparserl_jax.testing import tiny_model
 
 pytestmark = pytest.mark.slow
 
 PROMPTS = [[5, 6, 7, 8], [9, 10], [11, 12, 13], [1], [2, 3, 4, 5, 6], [7, 7, 7], [8], [3, 3]]
 MODEL = dict(num_heads=8, num_kv_heads=4, intermediate_size=96, vocab_size=64)
-MESHES = {"d2t4": (2, 4), "d4t2": (4, 2), "t8": (1, 8)}
-GRANULARITY = {"d2t4": "sequence", "d4t2": "layer", "t8": "head"}
+MODEL_LAYERS = 2
+# (data, fsdp, tensor): over fsdp the shards also split the weights (gathered as each runs).
+MESHES = {
+    "d2t4": (2, 1, 4),
+    "d4t2": (4, 1, 2),
+    "t8": (1, 1, 8),
+    "f2t4": (1, 2, 4),
+    "d2f2t2": (2, 2, 2),
+}
+GRANULARITY = {"d2t4": "sequence", "d4t2": "layer", "t8": "head", "f2t4": "head", "d2f2t2": "layer"}
 
 
 def config(policy: str, granularity: str, temperature: float, **kw) -> RolloutConfig:
@@ -55,8 +66,9 @@ def config(policy: str, granularity: str, temperature: float, **kw) -> RolloutCo
 
 
 def mesh_of(name: str):
-    data, tensor = MESHES[name]
-    return make_mesh(MeshConfig(data=data, fsdp=1, tensor=tensor), jax.devices()[: data * tensor])
+    data, fsdp, tensor = MESHES[name]
+    n = data * fsdp * tensor
+    return make_mesh(MeshConfig(data=data, fsdp=fsdp, tensor=tensor), jax.devices()[:n])
 
 
 def run(cfg: RolloutConfig, mesh=None):
@@ -123,10 +135,29 @@ def test_each_data_shard_holds_its_own_pages():
     assert np.asarray(cache.free_stack).max() == cfg.pool_pages // 2 - 1
 
 
+def test_fsdp_shards_hold_a_part_of_the_weights_and_gather_each_layer():
+    # Over fsdp 2 each shard holds its own slots and pages, as over data, and half of every
+    # weight's hidden dim (as the trainer lays them out); the decode chunk gathers them.
+    mesh = mesh_of("f2t4")
+    model = shard_model(tiny_model(seed=3, **MODEL), mesh)
+    engine = RolloutEngine(model, config("rkv", "head", 1.0), mesh=mesh)
+    assert engine.data == 2
+    specs = weight_specs(nnx.state(model), mesh)
+    assert specs["layers"][0]["attn"]["q_proj"] == PartitionSpec("fsdp", "tensor", None)
+    assert specs["layers"][0]["mlp"]["down_proj"] == PartitionSpec("tensor", "fsdp")
+    assert specs["embed"]["embedding"] == PartitionSpec("tensor", "fsdp")
+    assert weight_specs(nnx.state(model), mesh_of("d2t4")) is None  # replicated over data
+    cache, slots = engine._init()
+    assert cache.k_pages.shape[:3] == (2, 2, engine.config.pool_pages // 2)
+    hlo = engine._chunk.lower(engine.default_params, cache, slots).compile().as_text()
+    gathers = hlo.count("all-gather(") + hlo.count("all-gather-start(")
+    assert gathers >= MODEL_LAYERS * 7  # each layer's q, k, v, o, gate, up, down
+
+
 def test_slots_that_do_not_divide_over_data_are_refused():
     mesh = mesh_of("d4t2")
     model = tiny_model(seed=3, **MODEL)
-    with pytest.raises(ValueError, match="must divide over the mesh's data axis"):
+    with pytest.raises(ValueError, match="must divide over the mesh's data x fsdp axes"):
         RolloutEngine(model, config("none", "sequence", 1.0, num_slots=6), mesh=mesh)
 
 

@@ -181,6 +181,10 @@ def _measure_engine(row: dict, cfg: Config, model_cfg: ModelConfig, devices: lis
     if row.get("mesh"):  # [data, (fsdp,) tensor]: each data x fsdp shard its slots and pages
         data, *fsdp, tensor = row["mesh"]
         mesh_cfg = MeshConfig(data=data, fsdp=fsdp[0] if fsdp else 1, tensor=tensor)
+        if fsdp and fsdp[0] > 1:  # slots and weights split over fsdp too (rollout.shards)
+            cfg = dataclasses.replace(
+                cfg, rollout=dataclasses.replace(cfg.rollout, fsdp_shards=True)
+            )
     engine, params, cache, slots, prefill_in = tpu_aot.engine_inputs(
         model_cfg, cfg.rollout, devices, mesh_cfg
     )

@@ -168,7 +168,7 @@ def engine_inputs(
         cache, slots, host = _place((cache, slots, host), rep)
     else:
         param_sh = nnx.to_pure_dict(state_shardings(nnx.state(abstract), mesh))
-        by_slot = NamedSharding(mesh, slot_spec(mesh))
+        by_slot = NamedSharding(mesh, slot_spec(mesh, rcfg.fsdp_shards))
         host = _place(host, by_slot)
     params = _place(engine.default_params, param_sh)
     return engine, params, cache, slots, host

@@ -156,9 +156,10 @@ class TrainConfig:
       sampler_devices: with `split`, how many devices (the last ones) the sampler gets; the
         trainer mesh (`mesh:` section) is laid over the rest. The sampler's mesh is data x
         fsdp x tensor with `sampler_tensor` on tensor (weights, heads, vocabulary),
-        `sampler_fsdp` on fsdp (weights split by their hidden dim, gathered a layer at a time
-        as they run: for weights that do not fit a chip otherwise), the rest on data; each
-        data x fsdp shard holds its own rollout slots and KV pages.
+        `sampler_fsdp` on fsdp (weights split by their hidden dim: for weights that do not fit
+        a chip; with `rollout.fsdp_shards` each fsdp shard also holds its own slots and the
+        weights are never gathered), the rest on data (each data shard its own rollout slots
+        and KV pages).
       save_every: checkpoint every this many steps (and at the end, and on SIGTERM).
       keep_checkpoints: how many checkpoints to keep.
       async_checkpoint: save in the background.

@@ -9,8 +9,8 @@ Meshes: `colocated` lays one mesh over every device (the sampler's weights live 
 devices); `split` gives the last `train.sampler_devices` devices to the sampler and the rest to
 the trainer, and the patch is applied onto the sampler mesh in-process. The sampler mesh is data
 x fsdp x tensor (`train.sampler_fsdp`, `train.sampler_tensor`): weights over tensor (and their
-hidden dim over fsdp), each data x fsdp shard its own rollout slots and KV pages
-(`rollout.shards`).
+hidden dim over fsdp), each data shard (with `rollout.fsdp_shards`, each data x fsdp shard) its
+own rollout slots and KV pages (`rollout.shards`).
 """
 
 from __future__ import annotations
@@ -70,8 +70,9 @@ def make_meshes(
         split = MeshConfig(data=-1, fsdp=train_cfg.sampler_fsdp, tensor=train_cfg.sampler_tensor)
         sampler = make_mesh(split, devices[len(devices) - k :])
     if rollout is not None:
+        mesh = sampler or trainer
         check_split(
-            sampler or trainer, rollout.num_slots, rollout.pool_pages, rollout.pages_per_slot
+            mesh, rollout.num_slots, rollout.pool_pages, rollout.pages_per_slot, rollout.fsdp_shards
         )
     return trainer, sampler
 

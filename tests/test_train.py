@@ -76,6 +76,7 @@ def test_split_topology_end_to_end_and_sigterm(tmp_path):
             "train.sampler_devices=4",
             "train.sampler_tensor=2",  # the sampler's mesh: fsdp 2 x tensor 2
             "train.sampler_fsdp=2",
+            "rollout.fsdp_shards=true",
             "train.steps=5",
             "train.save_every=10",
             "train.eval_examples=2",

@@ -45,35 +45,46 @@ def _in_proj(rngs: nnx.Rngs, cfg: ModelConfig, heads: int, axis: str) -> nnx.Par
     return param(rngs, (d, heads, h), ("embed", axis, "head_dim"), wd, fan_in=d)
 
 
-def _project_heads(x: Array, w: Array, head_dim: int, *, one_matmul: bool) -> Array:
-    """`x [..., D]` through a q/k/v projection (`_in_proj`), as `[..., heads, H]`.
-
-    A fused weight is one matmul with a free split into lane-aligned heads when `one_matmul`
-    (decode and prefill: the einsum there relayouts every layer's weight per program), else the
-    einsum on its `[D, heads, H]` view (teacher forcing at long T: one matmul there cost the 7B
-    learner step at 32K 0.91 GiB more temporaries per chip; docs/results.md).
-    """
-    if w.ndim == 2 and one_matmul:
-        return (x @ w).reshape(x.shape[:-1] + (-1, head_dim))
+def _project_heads(x: Array, w: nnx.Param, head_dim: int, *, decoding: bool, parts: Parts) -> Array:
+    """`x [B, T, D]` through a q/k/v projection (`_in_proj`), as `[B, T, heads, H]`. A fused
+    weight is one matmul with a free split into lane-aligned heads when `decoding` (decode and
+    prefill: the einsum there relayouts every layer's weight per program), else the einsum on
+    its `[D, heads, H]` view (teacher forcing at long T: one matmul there cost the 7B learner
+    step at 32K 0.91 GiB more temporaries per chip; docs/results.md)."""
+    if w.ndim == 2 and decoding:
+        return parts.dot("btd,dc->btc", x, w).reshape(x.shape[:-1] + (-1, head_dim))
     if w.ndim == 2:
-        w = w.reshape(w.shape[0], -1, head_dim)
-    return jnp.einsum("...d,dnh->...nh", x, w)
+        view = w[...].astype(x.dtype).reshape(w.shape[0], -1, head_dim)
+        return jnp.einsum("btd,dnh->btnh", x, view)
+    return parts.dot("btd,dnh->btnh", x, w)
+
+
+def _value(w: nnx.Variable | Array) -> Array:
+    return w[...] if isinstance(w, nnx.Variable) else w
+
+
+def _einsum(spec: str, x: Array, w: nnx.Variable | Array) -> Array:
+    return jnp.einsum(spec, x, _value(w).astype(x.dtype))
 
 
 class Parts:
-    """How `Transformer.decode` runs its embedding, each layer and its head: on the weights as
-    stored (this class). An engine whose weights are split over `fsdp` runs them from its
-    shards instead (`rollout.shards.FsdpParts`)."""
+    """How `Transformer.decode` runs its embedding, layers, weight matmuls and head: on the
+    weights as stored (this class), or from their fsdp parts (`rollout.shards.FsdpParts`).
+    `shards`: how many shards' rows each of its matmuls takes (1: this one's)."""
+
+    shards = 1
 
     def embed(self, model: Transformer, tokens_bt: Array) -> Array:
         return model.embed_tokens(tokens_bt)
 
-    def layer(self, model: Transformer, i: int, x_btd: Array) -> tuple[Block, Array]:
-        """Layer `i` as it runs on `x_btd` (and `x_btd`, which it may tie the layer to)."""
-        return model.layers[i], x_btd
+    def layer(self, model: Transformer, i: int) -> Block:
+        return model.layers[i]
 
     def logits(self, model: Transformer, h_btd: Array) -> Array:
         return model.logits(h_btd)
+
+    def dot(self, spec: str, x: Array, w: nnx.Variable | Array) -> Array:  # in x's dtype
+        return _einsum(spec, x, w)
 
 
 AS_STORED = Parts()
@@ -101,14 +112,20 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(h, eps=cfg.rms_norm_eps, param_dtype=wd, axis_name="head_dim")
 
     def project(
-        self, x_btd: Float[Array, "B T D"], positions_bt: Int[Array, "B T"], *, decoding: bool
+        self,
+        x_btd: Float[Array, "B T D"],
+        positions_bt: Int[Array, "B T"],
+        *,
+        decoding: bool,
+        parts: Parts = AS_STORED,
     ) -> tuple[Float[Array, "B T N H"], Float[Array, "B T K H"], Float[Array, "B T K H"]]:
         """Queries (already scaled by 1/sqrt(H)), keys (after RoPE) and values; `decoding`
-        picks the formulation of fused projections (`_project_heads`), not the result."""
+        picks the formulation of fused projections (`_project_heads`), not the result; `parts`
+        runs the matmuls (`Parts.dot`)."""
         cfg, dt = self.cfg, self.cfg.compute_dtype
         x = x_btd.astype(dt)
         q, k, v = (
-            _project_heads(x, w[...].astype(dt), cfg.head_dim, one_matmul=decoding)
+            _project_heads(x, w, cfg.head_dim, decoding=decoding, parts=parts)
             for w in (self.q_proj, self.k_proj, self.v_proj)
         )
         if cfg.qkv_bias:
@@ -124,10 +141,12 @@ class Attention(nnx.Module):
         q = (q.astype(jnp.float32) * cfg.head_dim**-0.5).astype(dt)
         return constrain(q, ACT_BTNH), constrain(k, ACT_BTKH), constrain(v, ACT_BTKH)
 
-    def output(self, o_btnh: Float[Array, "B T N H"]) -> Float[Array, "B T D"]:
+    def output(
+        self, o_btnh: Float[Array, "B T N H"], parts: Parts = AS_STORED
+    ) -> Float[Array, "B T D"]:
         dt = self.cfg.compute_dtype
         o_btnh = constrain(o_btnh.astype(dt), ACT_BTNH)
-        out = jnp.einsum("btnh,nhd->btd", o_btnh, self.o_proj[...].astype(dt))
+        out = parts.dot("btnh,nhd->btd", o_btnh, self.o_proj)
         if self.cfg.o_bias:
             out = out + self.o_bias_[...].astype(dt)[None, None]
         return constrain(out, ACT_BTD)
@@ -147,26 +166,34 @@ class MLP(nnx.Module):
             self.up_bias = param(None, (f,), ("mlp",), wd, init="zeros")
             self.down_bias = param(None, (d,), ("embed",), wd, init="zeros")
 
-    def __call__(self, x_btd: Float[Array, "B T D"]) -> Float[Array, "B T D"]:
-        weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+    def __call__(
+        self, x_btd: Float[Array, "B T D"], parts: Parts = AS_STORED
+    ) -> Float[Array, "B T D"]:
+        weights = (self.gate_proj, self.up_proj, self.down_proj)
         if self.cfg.mlp_bias:
-            weights += (self.gate_bias[...], self.up_bias[...], self.down_bias[...])
-        chunk = self.cfg.mlp_chunk
+            weights += (self.gate_bias, self.up_bias, self.down_bias)
+        chunk, dt = self.cfg.mlp_chunk, self.cfg.compute_dtype
+        if parts is not AS_STORED:  # the engine's own matmuls (prefill groups bound T)
+            return swiglu(x_btd, weights, dt, parts.dot)
         if not chunk or x_btd.shape[1] <= chunk:
-            return swiglu(x_btd, weights, self.cfg.compute_dtype)
-        return chunked_swiglu(x_btd, weights, self.cfg.compute_dtype, chunk)
+            return swiglu(x_btd, weights, dt)
+        return chunked_swiglu(x_btd, tuple(w[...] for w in weights), dt, chunk)
 
 
-def swiglu(x_btd: Float[Array, "B T D"], weights: tuple, dtype) -> Float[Array, "B T D"]:
-    """`down(silu(x @ gate) * (x @ up))` in `dtype`; `weights` = (gate, up, down[, biases])."""
-    gate_w, up_w, down_w, *biases = (w.astype(dtype) for w in weights)
+def swiglu(
+    x_btd: Float[Array, "B T D"], weights: tuple, dtype, dot=_einsum
+) -> Float[Array, "B T D"]:
+    """`down(silu(x @ gate) * (x @ up))` in `dtype`; `weights` = (gate, up, down[, biases]),
+    arrays or parameters; `dot(spec, x, w)` runs each matmul (`Parts.dot`)."""
+    gate_w, up_w, down_w, *biases = weights
+    biases = [_value(b).astype(dtype) for b in biases]
     x = x_btd.astype(dtype)
-    gate = jnp.einsum("btd,df->btf", x, gate_w)
-    up = jnp.einsum("btd,df->btf", x, up_w)
+    gate = dot("btd,df->btf", x, gate_w)
+    up = dot("btd,df->btf", x, up_w)
     if biases:
         gate, up = gate + biases[0][None, None], up + biases[1][None, None]
     act = constrain(jax.nn.silu(constrain(gate, ACT_BTF)) * constrain(up, ACT_BTF), ACT_BTF)
-    out = jnp.einsum("btf,fd->btd", act, down_w)
+    out = dot("btf,fd->btd", act, down_w)
     if biases:
         out = out + biases[2][None, None]
     return constrain(out, ACT_BTD)
@@ -409,11 +436,12 @@ class Transformer(nnx.Module):
         cache, positions_bt = cache.begin_step(token_mask_bt)
         x = parts.embed(self, tokens_bt)
         for i in range(len(self.layers)):
-            layer, x = parts.layer(self, i, x)
-            q, k, v = layer.attn.project(layer.input_norm(x), positions_bt, decoding=True)
+            layer = parts.layer(self, i)
+            h = layer.input_norm(x)
+            q, k, v = layer.attn.project(h, positions_bt, decoding=True, parts=parts)
             o, cache = cache.attend(i, q, k, v)
-            x = x + layer.attn.output(o).astype(x.dtype)
-            x = x + layer.mlp(layer.post_attn_norm(x)).astype(x.dtype)
+            x = x + layer.attn.output(o, parts).astype(x.dtype)
+            x = x + layer.mlp(layer.post_attn_norm(x), parts).astype(x.dtype)
         cache = cache.end_step()
         if logits_at_bk is not None:
             # The final norm and the head are per position: gather first, project K positions.

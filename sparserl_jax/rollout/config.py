@@ -33,7 +33,8 @@ class RolloutConfig:
       prefill_chunk: slots prefilled together in one step of the prefill program (its loop
         runs over the slots being filled, this many at a time), so prefill's temporaries
         (activations, the prompt's attention scores) are bounded by this many prompts, not by
-        `num_slots`. Results do not depend on it.
+        `num_slots`. Over an `fsdp` mesh axis each shard fills prefill_chunk / fsdp at a time
+        (its matmuls take every fsdp shard's rows). Results do not depend on it.
       seed: the run seed; request keys derive from `(seed, i, j)` unless per-prompt seeds given.
       kv: KV compression; None or policy "none" keeps every token (dense). `kv.adaptive`
         moves its budget between RL steps over `kv_ladder` (one engine per rung).
@@ -42,6 +43,9 @@ class RolloutConfig:
         sampler's attention (`learner.attention_mask=replay`).
       page_size: tokens per KV page.
       num_pages: pages in the pool; None sizes it for `num_slots` slots at their worst case.
+      fsdp_shards: on a mesh, split the slots and pages over its `fsdp` axis too (as over
+        `data`) and run the weights from their fsdp parts, never gathered (`rollout.shards`);
+        for weights that do not fit a chip. Off, fsdp-split weights are left to XLA.
     """
 
     num_slots: int = 8
@@ -59,6 +63,7 @@ class RolloutConfig:
     record_evictions: bool = False
     page_size: int = 16
     num_pages: int | None = None
+    fsdp_shards: bool = False
 
     def __post_init__(self):
         for name in (

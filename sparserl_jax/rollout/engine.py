@@ -96,9 +96,9 @@ class RolloutEngine:
             )
         self.default_params = nnx.to_pure_dict(state)
         self.stop_ids = jnp.asarray(list(config.stop_token_ids) or [-1], jnp.int32)
-        # Data shards (`rollout.shards`); weights as `specs` (None: whole, else split).
-        self.data, specs = data_shards(mesh), weight_specs(state, mesh)
-        self._parts = engine_parts(specs)
+        fsdp = config.fsdp_shards  # data shards and how they hold the weights (`rollout.shards`)
+        self.data, specs = data_shards(mesh, fsdp), weight_specs(state, mesh, fsdp)
+        self._parts = engine_parts(specs, model.cfg.hidden_size, mesh)
         self._page_bytes = jax.eval_shape(self._empty)[0].page_bytes
         self._init, self._prefill, self._chunk, self._refill = jit_programs(
             mesh,
@@ -117,7 +117,7 @@ class RolloutEngine:
             req_s4[:, 0].astype(jnp.uint32), req_s4[:, 1], req_s4[:, 2], req_s4[:, 3] > 0
         )
         s, p = tokens_sp.shape
-        g = min(self.config.prefill_chunk, s)
+        g = min(max(1, self.config.prefill_chunk // self._parts.shards), s)
         # The filled slots first (in slot order, so pages are handed out as in one call), in
         # groups of g; the padding index s reads row s - 1 and writes nothing (mode="drop").
         order_r = jnp.argsort(~fill_s, stable=True).astype(jnp.int32)

@@ -14,11 +14,11 @@ do not depend on its slot; and control flow that differed between shards, with t
 collectives inside, hangs XLA:CPU's collectives (seen: a compression's `lax.cond` taken by one
 shard only).
 
-The shards are the mesh's `data` x `fsdp` devices (`SHARDS`). Over `data` the weights are
-replicated; over `fsdp` they stay split as the trainer holds them (`parallel.sharding.RULES`:
-the hidden dim) and each part is gathered just before it runs, one layer at a time
-(`fsdp_fetch`), so a sampler holds 1 / fsdp of the weights and one layer whole, never all of
-them.
+With `rollout.fsdp_shards` the shards are the mesh's `data` x `fsdp` devices (`SHARDS`). Over
+`data` the weights are replicated; over `fsdp` they stay split as the trainer holds them
+(`parallel.sharding.RULES`: the hidden dim) and are never gathered: each matmul moves the rows
+of the fsdp shards instead (`FsdpParts`), so a sampler holds 1 / fsdp of the weights. Without
+it, an fsdp axis is left to XLA (weights split over it are gathered as XLA sees fit).
 
 The cache of every shard is stacked on a new leading axis of length D, split over `data` (its
 page tables hold shard-local page ids, its scalars, such as the free stack's top, are one per
@@ -41,38 +41,39 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparserl_jax.models.transformer import AS_STORED, Parts, head_logits
-from sparserl_jax.parallel.sharding import state_shardings
+from sparserl_jax.parallel.sharding import logical_to_spec, state_shardings
 from sparserl_jax.rollout.config import ChunkOut, RolloutConfig
 from sparserl_jax.rollout.host import admit
 
 SHARDS = ("data", "fsdp")  # the mesh axes that split the engine's slots and pages
 
 
-def shard_axes(mesh: Mesh | None) -> tuple[str, ...]:
-    """The axes of `mesh` its data shards are laid over (those of `SHARDS` it has, of more
-    than one device)."""
+def shard_axes(mesh: Mesh | None, fsdp: bool = False) -> tuple[str, ...]:
+    """The axes of `mesh` the data shards are laid over: `data`, and `fsdp` with `fsdp`
+    (`rollout.fsdp_shards`), those of more than one device."""
     if mesh is None:
         return ()
-    return tuple(a for a in SHARDS if a in mesh.axis_names and mesh.shape[a] > 1)
+    names = SHARDS if fsdp else SHARDS[:1]
+    return tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
 
 
-def slot_spec(mesh: Mesh | None) -> PartitionSpec:
+def slot_spec(mesh: Mesh | None, fsdp: bool = False) -> PartitionSpec:
     """The layout of a `[S, ...]` per-slot array (or a stack of shards' caches): its leading
     axis split over the shard axes."""
-    axes = shard_axes(mesh)
+    axes = shard_axes(mesh, fsdp)
     return PartitionSpec(None if not axes else axes[0] if len(axes) == 1 else axes)
 
 
-def data_shards(mesh: Mesh | None) -> int:
+def data_shards(mesh: Mesh | None, fsdp: bool = False) -> int:
     """How many data shards an engine on `mesh` runs (1: no split)."""
-    return math.prod(int(mesh.shape[a]) for a in shard_axes(mesh))
+    return math.prod(int(mesh.shape[a]) for a in shard_axes(mesh, fsdp))
 
 
-def weight_specs(state: nnx.State, mesh: Mesh | None) -> Any:
+def weight_specs(state: nnx.State, mesh: Mesh | None, fsdp: bool = False) -> Any:
     """Per weight (a pure dict like `nnx.to_pure_dict(state)`), its `PartitionSpec` on `mesh`
-    (`parallel.sharding`) when some weight is split over a shard axis (`fsdp`); None when none
-    is (every shard holds the weights whole, as over `data`)."""
-    if data_shards(mesh) == 1:
+    (`parallel.sharding`) when the shards include `fsdp` and some weight is split over it;
+    None else (every shard holds the weights whole, as over `data`)."""
+    if not fsdp or "fsdp" not in shard_axes(mesh, fsdp):
         return None
     specs = jax.tree.map(
         lambda sh: sh.spec,
@@ -99,61 +100,119 @@ def _is_spec(x) -> bool:
 
 
 class FsdpParts(Parts):
-    """`Transformer.decode`'s parts run from weights split over the shard axes (`specs`,
-    `weight_specs`), inside `per_shard`:
-    - each layer's weights gathered whole just before it runs, and kept split over the other
-      axes as stored (with those automatic, XLA replicated every weight over `tensor` first).
-      The barrier ties the gather to the activations the layer receives, so XLA cannot start
-      every layer's gather at once (it did: a 16-layer loop held 1.5x all the gathered weights
-      as temporaries; with the barrier, one layer's, measured with the TPU compiler);
-    - the embedding and the head never gathered (the vocabulary-wide tables): each shard looks
-      every shard's tokens up in its part of the hidden dim, and computes every shard's
-      partial logits from its part; the rows travel (`all_to_all`, `psum_scatter`), not the
-      tables. (Over `fsdp` the shards hold different slots: the rows must go home.)"""
+    """`Transformer.decode`'s parts run from weights split over `fsdp` by their hidden dim
+    (`specs`, `weight_specs`), inside `per_shard`, where each fsdp shard holds other slots.
+    No weight is ever gathered: the rows travel instead (a decode step's rows are a few KB; a
+    layer's weights, tens of MB).
+    - A matmul whose weight's hidden dim is contracted (q, k, v, gate, up): every shard's rows
+      in this shard's part of the hidden dim (`all_to_all`), their partial products, summed
+      over the parts with each row's sum sent home (`psum_scatter`).
+    - One whose weight's hidden dim is the output (o, down): every shard's rows
+      (`all_gather`), this shard's part of their outputs, each row's parts sent home
+      (`all_to_all`).
+    - The embedding likewise: every shard's tokens looked up in this shard's part of the table,
+      the rows sent home; the head like a contracted matmul.
+    (Gathering each layer's weights instead cost the 7B decode chunk 0.55 GiB of temporaries
+    per chip: XLA relayouts every layer's `down_proj` part to gather it on its minor dim.)"""
 
-    def __init__(self, specs: Any):
+    def __init__(self, specs: Any, hidden_size: int, mesh: Mesh):
         self.specs = specs
+        self.hidden = hidden_size
+        self.names = _split_names(specs)
+        names = self.names if isinstance(self.names, tuple) else (self.names,)
+        self.shards = math.prod(int(mesh.shape[n]) for n in names)
 
-    def layer(self, model, i, x_btd):
-        part = model.layers[i]
+    def layer(self, model, i):
+        # Vectors split by the hidden dim (`o_bias`, `down_bias`) are added whole: gathered.
+        specs, part = self.specs["layers"][i], model.layers[i]
         graphdef, state = nnx.split(part)
-        local, x_btd = jax.lax.optimization_barrier((nnx.to_pure_dict(state), x_btd))
-        full = jax.tree.map(_gather, self.specs["layers"][i], local, is_leaf=_is_spec)
-        return nnx.merge(graphdef, full), x_btd
+        local = nnx.to_pure_dict(state)
+        vectors = jax.tree.map(
+            lambda s, w: _gather(s, w) if w.ndim == 1 else w, specs, local, is_leaf=_is_spec
+        )
+        return nnx.merge(graphdef, vectors)
+
+    def dot(self, spec, x, w):
+        value = w[...].astype(x.dtype)
+        meta = w.get_metadata()
+        axes = meta.get("logical_axes") or ()
+        dim = axes.index("embed") if "embed" in axes else None
+        if dim is None or value.shape[dim] == self.hidden:  # not split
+            return jnp.einsum(spec, x, value)
+        ins, out = spec.split("->")
+        x_axes, w_axes = ins.split(",")
+        hidden = w_axes[dim]
+        # The other axes (tensor) as the weight is split over them, by einsum letter: the
+        # activations keep that layout through the collectives (laid out whole, the MLP's
+        # [rows, T, F] products were held unsplit: prefill 0.48 GiB of temporaries at 7B).
+        whole = value.shape[:dim] + (self.hidden,) + value.shape[dim + 1 :]
+        mesh = jax.sharding.get_abstract_mesh()
+        full = logical_to_spec(axes, whole, mesh, units=meta.get("shard_units"))
+        by_letter = dict(zip(w_axes, _part(full, SHARDS, keep=False), strict=True))
+        x_spec = PartitionSpec(*(by_letter.get(a) for a in x_axes))
+        y_spec = PartitionSpec(*(by_letter.get(a) for a in out))
+        go = functools.partial
+        if hidden in out:  # every shard's rows, this part of their outputs, sent home
+            every = _per_device(go(_all_rows, names=self.names), x, x_spec)
+            y = jnp.einsum(spec, every, value)
+            return _per_device(go(_home, names=self.names, axis=out.index(hidden)), y, y_spec)
+        mine = go(_my_part, names=self.names, axis=x_axes.index(hidden))
+        y = jnp.einsum(spec, _per_device(mine, x, x_spec), value)
+        return _per_device(go(_sum_home, names=self.names), y, y_spec)
 
     def embed(self, model, tokens_bt):
-        names = _part(self.specs["embed"]["embedding"], SHARDS)[1]  # [V, D]: D's split
-        if names is None:
+        if _part(self.specs["embed"]["embedding"], SHARDS)[1] is None:  # [V, D]: D not split
             return model.embed_tokens(tokens_bt)
-        # Every shard's tokens, looked up in this shard's part of D, then each row sent home.
-        every = functools.partial(jax.lax.all_gather, axis_name=names, axis=0, tiled=True)
-        rows = jnp.take(model.embed.embedding[...], _per_device(every, tokens_bt), axis=0)
-        home = functools.partial(
-            jax.lax.all_to_all, axis_name=names, split_axis=0, concat_axis=2, tiled=True
-        )
-        return _per_device(home, rows).astype(model.cfg.compute_dtype)
+        every = _per_device(functools.partial(_all_rows, names=self.names), tokens_bt)
+        rows = jnp.take(model.embed.embedding[...], every, axis=0)
+        home = _per_device(functools.partial(_home, names=self.names, axis=2), rows)
+        return home.astype(model.cfg.compute_dtype)
 
     def logits(self, model, h_btd):
         cfg = model.cfg
         tied = cfg.tie_embeddings
         dim = 1 if tied else 0  # [V, D] tied, [D, V] untied: D's place
         spec = self.specs["embed"]["embedding"] if tied else self.specs["lm_head"]["kernel"]
-        names = _part(spec, SHARDS)[dim]
-        if names is None:
+        if _part(spec, SHARDS)[dim] is None:
             return model.logits(h_btd)
-        # Every shard's rows in this shard's part of D, their partial logits summed over the
-        # parts, each row's sum kept by its own shard.
-        mine = functools.partial(
-            jax.lax.all_to_all, axis_name=names, split_axis=2, concat_axis=0, tiled=True
-        )
-        part = head_logits(
-            _per_device(mine, h_btd), model.head_weight(), tied=tied, dtype=cfg.compute_dtype
-        )
-        home = functools.partial(
-            jax.lax.psum_scatter, axis_name=names, scatter_dimension=0, tiled=True
-        )
+        mine = _per_device(functools.partial(_my_part, names=self.names, axis=2), h_btd)
+        part = head_logits(mine, model.head_weight(), tied=tied, dtype=cfg.compute_dtype)
         vocab = _part(spec, SHARDS, keep=False)[1 - dim]
+        home = functools.partial(_sum_home, names=self.names)
         return _per_device(home, part, PartitionSpec(None, None, vocab))
+
+
+def _split_names(specs: Any) -> str | tuple[str, ...]:
+    """The shard axes that split the weights (`fsdp`), as a collective's axis name."""
+    found = {
+        e
+        for s in jax.tree.leaves(specs, is_leaf=_is_spec)
+        for e in _part(s, SHARDS)
+        if e is not None
+    }
+    if len(found) != 1:
+        raise ValueError(f"weights split over several shard axis groups: {sorted(found)}")
+    return found.pop()
+
+
+def _all_rows(x, *, names):
+    """Every shard's rows (the leading axis), in shard order."""
+    return jax.lax.all_gather(x, names, axis=0, tiled=True)
+
+
+def _home(y, *, names, axis):
+    """Every shard's rows with this shard's part of `axis` -> this shard's rows, whole."""
+    return jax.lax.all_to_all(y, names, split_axis=0, concat_axis=axis, tiled=True)
+
+
+def _my_part(x, *, names, axis):
+    """This shard's rows, whole on `axis` -> every shard's rows, this shard's part of `axis`."""
+    return jax.lax.all_to_all(x, names, split_axis=axis, concat_axis=0, tiled=True)
+
+
+def _sum_home(y, *, names):
+    """Every shard's rows, partial sums -> this shard's rows, summed over the shards."""
+    return jax.lax.psum_scatter(y, names, scatter_dimension=0, tiled=True)
 
 
 def _per_device(fn: Callable, x: jax.Array, spec: PartitionSpec | None = None) -> jax.Array:
@@ -170,9 +229,9 @@ def _per_device(fn: Callable, x: jax.Array, spec: PartitionSpec | None = None) -
     )(x)
 
 
-def engine_parts(specs: Any) -> Parts:
+def engine_parts(specs: Any, hidden_size: int, mesh: Mesh | None) -> Parts:
     """How the engine's programs run the model's parts on weights laid out as `specs`."""
-    return AS_STORED if specs is None else FsdpParts(specs)
+    return AS_STORED if specs is None else FsdpParts(specs, hidden_size, mesh)
 
 
 def _gather(spec: PartitionSpec, w: jax.Array) -> jax.Array:
@@ -190,14 +249,17 @@ def _gather(spec: PartitionSpec, w: jax.Array) -> jax.Array:
     return _per_device(body, w, _part(spec, SHARDS, keep=False))
 
 
-def check_split(mesh: Mesh, num_slots: int, pool_pages: int, per_slot: int) -> None:
+def check_split(
+    mesh: Mesh, num_slots: int, pool_pages: int, per_slot: int, fsdp: bool = False
+) -> None:
     """Check that slots and pages divide over `mesh`'s data shards and that a shard's pool can
     hold one sequence (one line naming the setting otherwise)."""
-    d = data_shards(mesh)
+    d = data_shards(mesh, fsdp)
+    axes = "data x fsdp axes" if fsdp else "data axis"
     if num_slots % d or pool_pages % d:
         raise ValueError(
             f"rollout.num_slots={num_slots} and the pool's {pool_pages} pages must divide over "
-            f"the mesh's data x fsdp axes ({d} shards: each shard holds its own slots and pages)"
+            f"the mesh's {axes} ({d} shards: each shard holds its own slots and pages)"
         )
     if pool_pages // d < per_slot:
         raise ValueError(
@@ -214,19 +276,20 @@ def jit_programs(
     the cache is laid out as its kernels split it (pools by KV head) and every program keeps
     that layout; built under jit so every leaf is its own buffer (eager creation shares zero
     arrays, which donation refuses)."""
-    d = data_shards(mesh)
+    fsdp = config.fsdp_shards
+    d = data_shards(mesh, fsdp)
     programs = [impls["prefill"], impls["chunk"], impls["refill"], empty]
     if d > 1:
-        check_split(mesh, config.num_slots, config.pool_pages, config.pages_per_slot)
+        check_split(mesh, config.num_slots, config.pool_pages, config.pages_per_slot, fsdp)
         programs = [
-            per_shard(f, mesh, n, specs) for f, n in zip(programs[:3], (2, 3, 2), strict=True)
+            per_shard(f, mesh, n, specs, fsdp) for f, n in zip(programs[:3], (2, 3, 2), strict=True)
         ]
-        programs.append(init_per_shard(empty, mesh))
+        programs.append(init_per_shard(empty, mesh, fsdp))
     out = chunk = None
     if mesh is not None:
         cache, slots = jax.eval_shape(empty)
         # The stacked caches split over the shards (each shard's own), the slot axis likewise.
-        by_slot = NamedSharding(mesh, slot_spec(mesh))
+        by_slot = NamedSharding(mesh, slot_spec(mesh, fsdp))
         stacked = by_slot.spec[0]
         out = (cache.shardings(stacked=stacked), jax.tree.map(lambda _: by_slot, slots))
         chunk = (*out, ChunkOut(by_slot, by_slot, by_slot))
@@ -253,7 +316,9 @@ def shard_max(x: jax.Array, d: int) -> jax.Array:
     return x if d == 1 else jax.lax.pmax(x, _manual_shards())
 
 
-def per_shard(fn: Callable, mesh: Mesh, num_out: int, specs: Any = None) -> Callable:
+def per_shard(
+    fn: Callable, mesh: Mesh, num_out: int, specs: Any = None, fsdp: bool = False
+) -> Callable:
     """`fn(params, cache, *rest)` run per data shard: params as `specs` (`weight_specs`; None:
     replicated over the shards), the stacked cache split on its leading axis (each shard sees
     its own cache, unstacked), every other argument and output split on its leading (slot)
@@ -263,7 +328,7 @@ def per_shard(fn: Callable, mesh: Mesh, num_out: int, specs: Any = None) -> Call
         out = fn(params, jax.tree.map(lambda x: x[0], cache), *rest)
         return (jax.tree.map(lambda x: x[None], out[0]), *out[1:])
 
-    spec = slot_spec(mesh)
+    spec = slot_spec(mesh, fsdp)
 
     @functools.wraps(fn)
     def run(params, cache, *rest):
@@ -274,7 +339,7 @@ def per_shard(fn: Callable, mesh: Mesh, num_out: int, specs: Any = None) -> Call
             mesh=mesh,
             in_specs=in_specs,
             out_specs=(spec,) * num_out,
-            axis_names=frozenset(shard_axes(mesh)),
+            axis_names=frozenset(shard_axes(mesh, fsdp)),
             check_vma=False,
         )(params, cache, *rest)
 
@@ -286,14 +351,14 @@ def _held(specs: Any) -> Any:
     return jax.tree.map(lambda s: _part(s, SHARDS), specs, is_leaf=_is_spec)
 
 
-def init_per_shard(empty: Callable, mesh: Mesh) -> Callable:
+def init_per_shard(empty: Callable, mesh: Mesh, fsdp: bool = False) -> Callable:
     """`empty()` -> (cache, slots) run per data shard: the caches stacked, the slots joined."""
 
     def body():
         cache, slots = empty()
         return jax.tree.map(lambda x: x[None], cache), slots
 
-    return jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=slot_spec(mesh))
+    return jax.shard_map(body, mesh=mesh, in_specs=(), out_specs=slot_spec(mesh, fsdp))
 
 
 def shard_admit(slot_req, waiting, free_d, pages_s, config: RolloutConfig) -> np.ndarray:

@@ -12,6 +12,9 @@ order), eviction counts identical; eviction records identical; the engine contra
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -75,6 +78,7 @@ def run(cfg: RolloutConfig, mesh=None):
     model = tiny_model(seed=3, **MODEL)
     if mesh is not None:
         model = shard_model(model, mesh)
+        cfg = dataclasses.replace(cfg, fsdp_shards=mesh.shape["fsdp"] > 1)
     return RolloutEngine(model, cfg, mesh=mesh).generate(PROMPTS, seeds=list(range(8)))
 
 
@@ -135,29 +139,35 @@ def test_each_data_shard_holds_its_own_pages():
     assert np.asarray(cache.free_stack).max() == cfg.pool_pages // 2 - 1
 
 
-def test_fsdp_shards_hold_a_part_of_the_weights_and_gather_each_layer():
-    # Over fsdp 2 each shard holds its own slots and pages, as over data, and half of every
-    # weight's hidden dim (as the trainer lays them out); the decode chunk gathers them.
+def test_fsdp_shards_hold_a_part_of_the_weights_and_never_gather_them():
+    # With rollout.fsdp_shards, over fsdp 2 each shard holds its own slots and pages, as over
+    # data, and half of every weight's hidden dim (as the trainer lays them out); the decode
+    # chunk moves rows instead of weights: per layer 7 all-to-alls, 5 reduce-scatters, and no
+    # all-gather of anything as wide as the hidden dim.
     mesh = mesh_of("f2t4")
     model = shard_model(tiny_model(seed=3, **MODEL), mesh)
-    engine = RolloutEngine(model, config("rkv", "head", 1.0), mesh=mesh)
+    cfg = config("rkv", "head", 1.0, fsdp_shards=True)
+    assert RolloutEngine(model, config("rkv", "head", 1.0), mesh=mesh).data == 1  # opt-in
+    engine = RolloutEngine(model, cfg, mesh=mesh)
     assert engine.data == 2
-    specs = weight_specs(nnx.state(model), mesh)
+    specs = weight_specs(nnx.state(model), mesh, fsdp=True)
     assert specs["layers"][0]["attn"]["q_proj"] == PartitionSpec("fsdp", "tensor", None)
     assert specs["layers"][0]["mlp"]["down_proj"] == PartitionSpec("tensor", "fsdp")
     assert specs["embed"]["embedding"] == PartitionSpec("tensor", "fsdp")
-    assert weight_specs(nnx.state(model), mesh_of("d2t4")) is None  # replicated over data
+    assert weight_specs(nnx.state(model), mesh_of("d2t4"), fsdp=True) is None  # over data
     cache, slots = engine._init()
     assert cache.k_pages.shape[:3] == (2, 2, engine.config.pool_pages // 2)
     hlo = engine._chunk.lower(engine.default_params, cache, slots).compile().as_text()
-    gathers = hlo.count("all-gather(") + hlo.count("all-gather-start(")
-    assert gathers >= MODEL_LAYERS * 7  # each layer's q, k, v, o, gate, up, down
+    assert len(re.findall(r"all-to-all(-start)?\(", hlo)) >= MODEL_LAYERS * 7
+    assert len(re.findall(r"reduce-scatter(-start)?\(", hlo)) >= MODEL_LAYERS * 5
+    gathered = re.findall(r"= f32\[([0-9,]*)\]\S* all-gather", hlo)
+    assert gathered and all(48 not in map(int, dims.split(",")) for dims in gathered)
 
 
 def test_slots_that_do_not_divide_over_data_are_refused():
     mesh = mesh_of("d4t2")
     model = tiny_model(seed=3, **MODEL)
-    with pytest.raises(ValueError, match="must divide over the mesh's data x fsdp axes"):
+    with pytest.raises(ValueError, match="must divide over the mesh's data axis"):
         RolloutEngine(model, config("none", "sequence", 1.0, num_slots=6), mesh=mesh)
 
 

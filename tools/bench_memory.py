@@ -26,9 +26,9 @@ Learner: bf16 compute over fp32 master weights with AdamW state; `--micro-batche
 chip per micro-batch (the step's batch is that x learner.num_micro_batches x chips).
 `--learner-programs loss_grad`: instead of (or beside: `step loss_grad`) the whole step, one
 micro-batch's loss and gradient with the gradients as outputs, no optimizer (its rows have no
-optimizer state; the gradients are in the total). Engine: bf16 weights, one chip: its decode
-chunk's Mosaic kernels are not partitioned over a mesh yet (the compile fails there), and its
-page pool is replicated on a mesh anyway.
+optimizer state; the gradients are in the total). Engine: bf16 weights and pools, on one chip
+or, with `--engine-mesh`, on a mesh as `rollout.shards` lays it out (a three-part mesh with
+fsdp > 1 sets `rollout.fsdp_shards`).
 
 `--set KEY=VALUE` (repeatable) overrides any key of the config schema (sparserl_jax/config.py),
 on every config of the sweep: `--set learner.num_micro_batches=2`, `--set rollout.page_size=32`,

@@ -104,7 +104,7 @@ def main() -> None:
     p.add_argument(
         "--engine-mesh",
         help="DATAxTENSOR (2x4) or DATAxFSDPxTENSOR (1x2x4): each data x fsdp shard its own "
-        "slots and pages; weights split over fsdp, gathered a layer at a time",
+        "slots and pages (fsdp > 1 sets rollout.fsdp_shards: weights split, never gathered)",
     )
     p.add_argument("--timeout", type=float, default=None, help="seconds per config")
     p.add_argument("--in-process", action="store_true", help="no subprocess per config")

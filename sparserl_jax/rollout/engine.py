@@ -24,10 +24,10 @@ admitted into free slots while the pool can still give every live slot its worst
 pool never overflows and memory is bounded by the pool, not by batch x max length.
 
 On a mesh (`mesh=`, weights laid out by `parallel.sharding`): heads, MLP columns and vocabulary
-split over `tensor`, pools over KV heads where their count divides by it; over `data` x `fsdp`
-each shard holds its own slots, pages and free-page stack and runs the programs on them
-(`rollout.shards`: weights split over `fsdp` are gathered a layer at a time); tokens as one
-device's for the same keys.
+split over `tensor`, pools over KV heads where their count divides by it; over `data` (and
+`fsdp` with `rollout.fsdp_shards`: weights split over it, never gathered) each shard holds its
+own slots, pages and free-page stack and runs the programs on them (`rollout.shards`); tokens
+as one device's for the same keys.
 """
 
 from __future__ import annotations

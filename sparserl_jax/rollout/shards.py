@@ -2,11 +2,11 @@
 shard holds its own S / D slots, its own page pool of P / D pages and its own free-page stack.
 
 The engine's device programs (prefill, decode chunk, refill) then run per data shard under
-`shard_map` over `data` alone (`tensor` stays automatic: the weights, heads, MLP columns and
-vocabulary are split over it by the model's logical axes, and the pools over KV heads where
-their count divides by it). Nothing crosses data shards but three small decisions: in decode,
-whether any slot of any shard is still live and whether any row of any shard is due for
-compression (one boolean each per step); in prefill, the most slots any shard fills. So every
+`shard_map` over `data` (and `fsdp`, below) alone (`tensor` stays automatic: the weights, heads,
+MLP columns and vocabulary are split over it by the model's logical axes, and the pools over KV
+heads where their count divides by it). Nothing crosses data shards but three small decisions:
+in decode, whether any slot of any shard is still live and whether any row of any shard is due
+for compression (one boolean each per step); in prefill, the most slots any shard fills. So every
 device runs the same program: the same steps, compressions and prefill groups (a shard with
 nothing to do runs them as no-ops). That is what one device would do (the compression interval
 counts the batch's steps), so tokens equal one device's for the same keys, since a request's keys
@@ -217,8 +217,8 @@ def _sum_home(y, *, names):
 
 def _per_device(fn: Callable, x: jax.Array, spec: PartitionSpec | None = None) -> jax.Array:
     """`fn(x)` (collectives over the shard axes) with the other mesh axes manual too, `x` laid
-    out as `spec` over them (with them automatic, XLA replicated every weight over `tensor`
-    before gathering it over `fsdp`)."""
+    out as `spec` over them (with them automatic, an `all_gather` over `fsdp` had XLA
+    replicate its operand over `tensor` first)."""
     mesh = jax.sharding.get_abstract_mesh()
     others = frozenset(a for a in mesh.axis_names if a not in mesh.manual_axes)
     if not others:

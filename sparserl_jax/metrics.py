@@ -122,15 +122,20 @@ def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:
         "dgg/z": float(np.max([h["dgg/z"] for h in history])),
         "dgg/fires": int(sum(bool(h["dgg/fire"]) for h in history)),
         "dgg/passes_run": int(first["passes_run"]),
-        "dgg/passes_applied": int(first["passes_applied"]),
+        "dgg/passes_applied": np.asarray(first["passes_applied"]).item(),
         "actor/nonfinite_skips": int(sum(bool(h["nonfinite"]) for h in history)),
         "dgg/armed_passes": int(sum(bool(h["dgg/armed"]) for h in history)),
     }
     # Per pass (1-based): the gate's increment and z, to see where it would fire; `dgg/z` above
-    # is the largest z over all passes, pass 1 included, where the gate is never armed.
-    for k, h in enumerate(history, start=1):
-        out[f"dgg/dg_pass{k}"] = float(h["dgg/dg"])
-        out[f"dgg/z_pass{k}"] = float(h["dgg/z"])
+    # is the largest z over all passes, pass 1 included, where the gate is never armed. With
+    # several mini-batches a pass is several updates: their mean increment and energy, their
+    # largest z.
+    for k in sorted({int(h["pass_index"]) for h in history}):
+        updates = [h for h in history if int(h["pass_index"]) == k]
+        out[f"dgg/dg_pass{k}"] = float(np.mean([h["dgg/dg"] for h in updates]))
+        out[f"dgg/z_pass{k}"] = float(np.max([h["dgg/z"] for h in updates]))
+        out[f"dgg/g_pass{k}"] = float(np.mean([h["dgg/g"] for h in updates]))
+    out["actor/updates"] = len(history)
     # The correction depends on pi_old and mu only: the same on every pass.
     out.update({k: float(v) for k, v in first.items() if k.startswith("correction/")})
     return out

@@ -111,17 +111,17 @@ def check_config(cfg: Config) -> None:
         )
     trainer_mesh, _ = make_meshes(cfg.mesh, cfg.train, jax.devices(), rollout=rcfg)
     shards = batch_shards(trainer_mesh)
-    micro = cfg.learner.num_micro_batches
-    rows = cfg.data.batch_size * rcfg.n_samples
-    if rows % (micro * shards):
-        fit = micro * shards // math.gcd(micro * shards, rcfg.n_samples)
+    mini, micro = cfg.learner.num_mini_batches, cfg.learner.num_micro_batches
+    rows, split = cfg.data.batch_size * rcfg.n_samples, mini * micro * shards
+    if rows % split:
+        fit = split // math.gcd(split, rcfg.n_samples)
         raise ValueError(
             f"the rollout batch, data.batch_size={cfg.data.batch_size} x rollout.n_samples="
-            f"{rcfg.n_samples} = {rows} rows, must be a multiple of learner.num_micro_batches "
-            f"({micro}) x the trainer mesh's data*fsdp shards ({shards} on "
-            f"{trainer_devices(cfg.train, len(jax.devices()))}): change data.batch_size, "
-            "rollout.n_samples, learner.num_micro_batches or mesh.data/mesh.fsdp (e.g. "
-            f"data.batch_size={fit})"
+            f"{rcfg.n_samples} = {rows} rows, must be a multiple of learner.num_mini_batches "
+            f"({mini}) x learner.num_micro_batches ({micro}) x the trainer mesh's data*fsdp "
+            f"shards ({shards} on {trainer_devices(cfg.train, len(jax.devices()))}): change "
+            "data.batch_size, rollout.n_samples, the learner's mini- or micro-batches or "
+            f"mesh.data/mesh.fsdp (e.g. data.batch_size={fit})"
         )
     if cfg.data.reward_fn is not None:
         make_reward_fn(cfg.data)  # imports it: a bad path fails now, not after the SFT stage

@@ -206,6 +206,13 @@ def test_device_count_errors_name_the_sampler_split(tmp_path, monkeypatch, overr
         train(cfg, log_fn=lambda m: None)
 
 
+def test_mini_batches_that_do_not_split_the_rollout_batch(tmp_path, monkeypatch):
+    _no_build(monkeypatch)  # refused with the other pre-flight checks, before any build
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", *FAST, "learner.num_mini_batches=3"])
+    with pytest.raises(ValueError, match=r"multiple of learner.num_mini_batches \(3\) x "):
+        train(cfg, log_fn=lambda m: None)
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [

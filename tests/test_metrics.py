@@ -44,7 +44,7 @@ def test_learner_metrics_per_pass_gate_signals():
             **{key: 0.0 for key in ("pg_loss", "loss", "entropy", "kl", "approx_kl")},
             **{"clip_fraction": 0.0, "grad_norm": 1.0, "lr": 1e-4, "dgg/g": float(k)},
             **{"dgg/z": z, "dgg/dg": dg, "dgg/armed": armed, "dgg/fire": False},
-            **{"nonfinite": False, "passes_run": 3, "passes_applied": 3},
+            **{"nonfinite": False, "passes_run": 3, "passes_applied": 3, "pass_index": k},
         }
 
     history = [pass_metrics(1, 2.0, 5.0, False), pass_metrics(2, -0.5, -1.0, True)]
@@ -54,4 +54,23 @@ def test_learner_metrics_per_pass_gate_signals():
     assert out["dgg/z"] == 2.0 and out["dgg/armed_passes"] == 2
     assert [out[f"dgg/z_pass{k}"] for k in (1, 2, 3)] == [2.0, -0.5, 0.2]
     assert [out[f"dgg/dg_pass{k}"] for k in (1, 2, 3)] == [5.0, -1.0, -0.25]
-    assert "dgg/z_pass4" not in out
+    assert "dgg/z_pass4" not in out and out["actor/updates"] == 3
+
+
+def test_learner_metrics_per_pass_over_mini_batches():
+    def update(k, z, dg, g):
+        return {
+            **{key: 0.0 for key in ("pg_loss", "loss", "entropy", "kl", "approx_kl")},
+            **{"clip_fraction": 0.0, "grad_norm": 1.0, "lr": 1e-4, "dgg/g": g},
+            **{"dgg/z": z, "dgg/dg": dg, "dgg/armed": k > 1, "dgg/fire": False},
+            **{"nonfinite": False, "passes_run": 2, "passes_applied": np.float32(1.5)},
+            **{"pass_index": k},
+        }
+
+    # Two mini-batches per pass; the second pass stopped after its first update.
+    history = [update(1, 1.0, 2.0, 4.0), update(1, 3.0, -1.0, 3.0), update(2, 0.5, -2.0, 1.0)]
+    out = learner_metrics(history)
+    assert out["dgg/z_pass1"] == 3.0 and out["dgg/dg_pass1"] == 0.5 and out["dgg/g_pass1"] == 3.5
+    assert out["dgg/z_pass2"] == 0.5 and out["dgg/dg_pass2"] == -2.0 and out["dgg/g_pass2"] == 1.0
+    assert out["dgg/passes_run"] == 2 and out["dgg/passes_applied"] == 1.5
+    assert out["actor/updates"] == 3 and out["dgg/armed_passes"] == 1

@@ -208,9 +208,18 @@ def decay_mask(params):
 class LearnerConfig:
     """Everything the learner step needs.
 
-    `num_micro_batches` splits each batch for gradient accumulation (the batch must divide by
-    it times the number of data shards). The step is exact under accumulation: loss
-    denominators and Sparse-RL weights are computed on the whole batch first.
+    `num_mini_batches`: optimiser steps per pass over a rollout batch (verl's
+    `ppo_mini_batch_size` = rows / this): each pass updates on the batch's rows in that many
+    contiguous slices (whole GRPO groups when the slice holds a multiple of `n_samples`), in
+    the same order every pass. Each slice is its own loss (its own denominators and Sparse-RL
+    batch statistics, as verl's mini-batches); DGG sees every step and, on a fire at pass
+    k > 1, discards it and ends the batch's reuse. pi_old is then the weights before the
+    batch's first step, so it is recomputed by a separate forward (it cannot come from the
+    first pass's forward, which for slices 2.. runs at updated weights).
+    `num_micro_batches` splits each mini-batch for gradient accumulation (the rollout batch
+    must divide by mini-batches x micro-batches x data shards). The step is exact under
+    accumulation: loss denominators and Sparse-RL weights are computed on the whole
+    mini-batch first.
     `logits_chunk_size`: sequence positions per chunk of the LM head (`rollout.head_logprobs`)
     in the loss and in pi_old / pi_ref: `[micro-batch, chunk, V]` fp32 logits at a time instead
     of `[micro-batch, T, V]`, recomputed in the backward pass (a T - 1 not divisible by it pads
@@ -232,6 +241,7 @@ class LearnerConfig:
     )
     gating: DGGConfig = dataclasses.field(default_factory=DGGConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    num_mini_batches: int = 1
     num_micro_batches: int = 1
     logits_chunk_size: int = LOGITS_CHUNK_SIZE
     old_logp_from_first_pass: bool = True
@@ -244,5 +254,7 @@ class LearnerConfig:
             )
         if self.num_micro_batches < 1:
             raise ValueError(f"num_micro_batches must be >= 1, got {self.num_micro_batches}")
+        if self.num_mini_batches < 1:
+            raise ValueError(f"num_mini_batches must be >= 1, got {self.num_mini_batches}")
         if self.logits_chunk_size < 1:
             raise ValueError(f"logits_chunk_size must be >= 1, got {self.logits_chunk_size}")

@@ -21,6 +21,7 @@ decides the compute dtype (bf16 for speed, fp32 for tests). Per-token arrays are
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Any, NamedTuple
 
 import jax
@@ -47,6 +48,7 @@ from sparserl_jax.rl.objective import (
     first_pass_fallback,
     first_pass_scales,
     micro_inputs,
+    mini_batches,
     replayed_evictions,
     scale_sums,
 )
@@ -421,29 +423,29 @@ class Learner:
     def train_on_batch(
         self, state: LearnerState, batch: RLBatch
     ) -> tuple[LearnerState, list[dict[str, np.ndarray]]]:
-        """Reuse one rollout batch for up to K passes, stopping when DGG fires (that pass's
-        update is discarded) or a step is not finite. A missing pi_old is taken from the first
-        pass's forward at `state.params` (`first_pass`), or, where `first_pass_fallback` says
-        why not, recomputed first with `logprobs`; in bypass mode it is the sampler's logprobs.
-        Returns the per-pass metrics; `len(result)` is the number of passes run.
-        """
+        """Reuse one rollout batch for up to K passes of `num_mini_batches` updates each (row
+        slices), stopping when DGG fires (that update is discarded) or a step is not finite. A
+        missing pi_old comes from the first pass's forward (`first_pass`), or, where
+        `first_pass_fallback` says why not, a recompute with `logprobs` first; in bypass mode it
+        is the sampler's logprobs. Returns the per-update metrics (`pass_index`, `mini_batch`)."""
         first = batch.old_logp_bt is None and self.first_pass_fallback is None
         if batch.old_logp_bt is None and not first and not self.config.correction.bypass:
             old = self.logprobs(state.params, batch.tokens_bt, batch.evict_pos_bykt)
             batch = batch._replace(old_logp_bt=old)
-        history = []
-        for k in range(1, self.config.gating.max_passes + 1):
-            if k == 1 and first:
-                state, metrics, old = self.first_pass(state, batch)
-                batch = batch._replace(old_logp_bt=old)
+        n = self.config.num_mini_batches
+        minis, history = mini_batches(batch, n), []
+        for k, j in itertools.product(range(1, self.config.gating.max_passes + 1), range(n)):
+            if k == 1 and first:  # one mini-batch: `first_pass_fallback` refuses several
+                state, metrics, old = self.first_pass(state, minis[j])
+                minis[j] = minis[j]._replace(old_logp_bt=old)
             else:
-                state, metrics = self.step(state, batch, k)
+                state, metrics = self.step(state, minis[j], k)
             metrics = jax.tree.map(np.asarray, jax.device_get(metrics))
-            history.append(metrics)
-            if bool(metrics["dgg/stop_reuse"]):
+            history.append(metrics | {"mini_batch": np.int32(j)})
+            if bool(metrics["dgg/fire"]) or bool(metrics["nonfinite"]):  # else K passes run
                 break
-        passes_applied = int(sum(bool(m["applied"]) for m in history))
+        applied = int(sum(bool(m["applied"]) for m in history))
         for m in history:
-            m["passes_run"] = np.int32(len(history))
-            m["passes_applied"] = np.int32(passes_applied)
+            m["passes_run"] = np.int32(history[-1]["pass_index"])
+            m["passes_applied"] = np.int32(applied) if n == 1 else np.float32(applied / n)
         return state, history

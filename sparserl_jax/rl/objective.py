@@ -213,6 +213,11 @@ def first_pass_fallback(config: LearnerConfig) -> str | None:
         return "learner.old_logp_from_first_pass=false"
     if corr.bypass:
         return "learner.correction.bypass: pi_old is the sampler's logprobs (no recompute)"
+    if config.num_mini_batches > 1:
+        return (
+            f"num_mini_batches={config.num_mini_batches}: pi_old is the weights before the "
+            "batch's first step, and the first pass's later mini-batches run at updated weights"
+        )
     regularised = loss.kl_coef > 0 or loss.entropy_coef > 0
     if config.num_micro_batches > 1 and regularised and corr.reweight and corr.batch_normalize:
         return (
@@ -222,6 +227,18 @@ def first_pass_fallback(config: LearnerConfig) -> str | None:
             "the micro-batches' gradients cannot be normalised after the fact with one backward"
         )
     return None
+
+
+def mini_batches(batch, n: int) -> list:
+    """`batch` (a NamedTuple of `[B, ...]` arrays or None) as `n` contiguous row slices, for
+    `num_mini_batches`: whole GRPO groups when a slice holds a multiple of the group size."""
+    b = batch.tokens_bt.shape[0]
+    if b % n:
+        raise ValueError(f"batch size {b} must be a multiple of num_mini_batches ({n})")
+    r = b // n
+    return [
+        type(batch)(*(x if x is None else x[j * r : (j + 1) * r] for x in batch)) for j in range(n)
+    ]
 
 
 def first_pass_scales(

@@ -119,6 +119,48 @@ def test_train_on_batch_reuses_up_to_k_and_stops_on_fire(untied):
     assert int(history[-1]["passes_applied"]) == 1 and int(state.gate_fires) == 1
 
 
+def test_mini_batches_are_steps_on_row_slices_with_pi_old_from_before_the_batch():
+    """num_mini_batches=2: pi_old recomputed once at the start, then per pass one step on each
+    half of the rows, in order: bit-identical to those steps taken by hand."""
+    model = tiny_model(seed=6, num_layers=1)
+    cfg = config(gating=DGGConfig(window=3, max_passes=2), num_micro_batches=1)
+    mini = Learner(model, config(**{**vars(cfg), "num_mini_batches": 2}))
+    assert "num_mini_batches=2" in mini.first_pass_fallback
+    batch = make_batch(seed=7)
+    state = mini.init(model)
+    batch = batch._replace(
+        sampler_logp_bt=batch.sampler_logp_bt + mini.logprobs(state.params, batch.tokens_bt)
+    )
+    old = mini.logprobs(state.params, batch.tokens_bt)
+    got, history = mini.train_on_batch(state, batch)
+    assert [(int(m["pass_index"]), int(m["mini_batch"])) for m in history] == [
+        (1, 0),
+        (1, 1),
+        (2, 0),
+        (2, 1),
+    ]
+    assert int(got.step) == 4 and float(history[-1]["passes_applied"]) == 2.0
+    old_batch = batch._replace(old_logp_bt=old)
+    cut = [slice(0, 4), slice(4, 8)]
+    halves = [type(batch)(*(x if x is None else x[r] for x in old_batch)) for r in cut]
+    want = mini.init(model)
+    for k in (1, 2):
+        for half in halves:
+            want, _ = mini.step(want, half, k)
+    assert_trees_equal(host(got.params), host(want.params), what="params")
+    assert_trees_equal(host(got.opt_state), host(want.opt_state), what="opt_state")
+    # A fire on pass 2's first mini-batch discards it and ends the batch (both loops).
+    state = mini.init(model)
+    state = state._replace(gate=armed_gate(3, prev_energy=1e6))
+    state, history = mini.train_on_batch(state, batch)
+    assert [int(m["pass_index"]) for m in history] == [1, 1, 2] and bool(history[-1]["dgg/fire"])
+    assert int(state.step) == 2 and float(history[-1]["passes_applied"]) == 1.0
+    with pytest.raises(ValueError, match="multiple of num_mini_batches"):
+        Learner(model, config(num_mini_batches=3)).train_on_batch(mini.init(model), batch)
+    with pytest.raises(ValueError, match="num_mini_batches must be >= 1"):
+        config(num_mini_batches=0)
+
+
 def test_errors_name_the_problem():
     model = tiny_model(seed=1, num_layers=1)
     learner = Learner(model, config(loss=LossConfig(kl_coef=1e-3), num_micro_batches=3))

@@ -10,7 +10,7 @@ its step-0 checkpoint copied byte for byte into each run directory). The arms di
 `learner.gating`:
 
 - `single`: K = 1 (one update per rollout batch, the baseline);
-- `fixed4`, `fixed8`: K passes on every batch, gate off (it still logs g and z);
+- `fixed2`, `fixed4`, `fixed8`: K passes on every batch, gate off (it still logs g and z);
 - `dgg4`, `dgg8`: K passes at most, the gate on (tau 0.3), increments counted across batches
   (`reset_each_batch=false`, the default);
 - `dgg4_batch`, `dgg8_batch`: the same with increments only between passes of one batch.
@@ -20,7 +20,10 @@ hurts). Figures, per arm (`summarise_arm`): the rollout batches needed to reach 
 run's final reward, on the training reward (the batch's sampled reward, a trailing mean over
 `smooth` steps) and on the held-out reward (`val/reward_mean`, sampled at T = 1 on held-out
 prompts, every `train.eval_every` steps); the final rewards; gate fires and passes applied per
-batch; and from the per-pass `dgg/z_pass{k}`, what the gate saw (`gate_diagnostics`).
+batch; and from the per-pass `dgg/z_pass{k}`, what the gate saw (`gate_diagnostics`). With
+uncertainty over the seeds (`bootstrap_ratio`, each arm paired with the single-use run of its
+seed): the area under the held-out reward curve (its mean over the evaluations after step 0)
+against single use's, and single use's rollout batches to the target over the arm's.
 """
 
 from __future__ import annotations
@@ -35,10 +38,12 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.async_runs import ROOT, _env
+from benchmarks.repro_sparse_rl import bootstrap_ratio
 from sparserl_jax.metrics import read_metrics
 
 ARMS: dict[str, list[str]] = {
     "single": ["learner.gating.max_passes=1", "learner.gating.enabled=false"],
+    "fixed2": ["learner.gating.max_passes=2", "learner.gating.enabled=false"],
     "fixed4": ["learner.gating.max_passes=4", "learner.gating.enabled=false"],
     "fixed8": ["learner.gating.max_passes=8", "learner.gating.enabled=false"],
     "dgg4": ["learner.gating.max_passes=4", "learner.gating.enabled=true"],
@@ -89,12 +94,25 @@ def curves(rows: list[dict]) -> dict[str, np.ndarray]:
     """Per-step training reward (steps 1..N) and the held-out evaluations (step, reward)."""
     train = sorted((r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r)
     val = sorted((r["step"], r["val/reward_mean"]) for r in rows if "val/reward_mean" in r)
+    greedy = [
+        r["val/greedy_reward_mean"]
+        for r in sorted(rows, key=lambda r: r["step"])
+        if "val/reward_mean" in r and "val/greedy_reward_mean" in r
+    ]
     return {
         "train_step": np.array([s for s, _ in train], np.int64),
         "train_reward": np.array([v for _, v in train], np.float64),
         "val_step": np.array([s for s, _ in val], np.int64),
         "val_reward": np.array([v for _, v in val], np.float64),
+        "val_greedy": np.array(greedy if len(greedy) == len(val) else [], np.float64),
     }
+
+
+def area(steps: np.ndarray, values: np.ndarray) -> float | None:
+    """The area under a held-out curve as its mean over the evaluations after step 0 (the
+    shared start): with an evaluation after every batch, the mean reward over the run."""
+    after = values[steps > 0]
+    return float(after.mean()) if after.size else None
 
 
 def trailing_mean(x: np.ndarray, window: int) -> np.ndarray:
@@ -211,28 +229,36 @@ def summarise_arm(
     smooth: int,
     tau: float,
     window: int | None = None,
+    val_smooth: int = 1,
 ) -> dict:
     """Figures of one arm over its seeds (`arm_rows[i]` and `base_rows[i]`, the single-use run,
     share seed i): batches to reach the single-use final reward (training reward as a trailing
     mean over `smooth` steps, counted from step `smooth` on; held-out at its evaluation steps),
     final rewards, gate fires and passes applied per batch, and the gate diagnostics. With
     `window`, an arm that ran more than one pass on every batch without a fire (fixed reuse)
-    also gets `gate_replay`: `replay_gates` per seed."""
+    also gets `gate_replay`: `replay_gates` per seed. `val_smooth`: the held-out curve as a
+    trailing mean over that many evaluations for the target and the batches to reach it
+    (counted from the first evaluation that has them all). With uncertainty (`bootstrap_ratio`
+    over seeds paired with single use): `auc_val_vs_single` and `auc_greedy_vs_single` (the
+    areas under the held-out sampled / greedy curves, `area`), and `rollouts_single_over_arm`
+    (single use's batches to the held-out target over the arm's, seeds where both reach it)."""
     per_seed = []
     for rows, base in zip(arm_rows, base_rows, strict=True):
         c, b = curves(rows), curves(base)
         tr, btr = trailing_mean(c["train_reward"], smooth), trailing_mean(b["train_reward"], smooth)
         target_train = float(btr[-1])
-        target_val = float(b["val_reward"][-1]) if b["val_reward"].size else None
         n_train = batches_to_reach(c["train_step"], tr, target_train, first=smooth)
+        cv, bv = (trailing_mean(x["val_reward"], val_smooth) for x in (c, b))
+        target_val = float(bv[-1]) if bv.size else None
+        first_val = max(1, int(c["val_step"][min(val_smooth, len(cv)) - 1])) if cv.size else 1
         n_val = (
-            batches_to_reach(c["val_step"], c["val_reward"], target_val, first=1)
+            batches_to_reach(c["val_step"], cv, target_val, first=first_val)
             if target_val is not None
             else None
         )
         base_train = batches_to_reach(b["train_step"], btr, target_train, first=smooth)
         base_val = (
-            batches_to_reach(b["val_step"], b["val_reward"], target_val, first=1)
+            batches_to_reach(b["val_step"], bv, target_val, first=first_val)
             if target_val is not None
             else None
         )
@@ -248,6 +274,15 @@ def summarise_arm(
                 "single_batches_to_target_val": base_val,
                 "final_train_smoothed": float(tr[-1]),
                 "final_val": final_val,
+                "final_val_smoothed": float(cv[-1]) if cv.size else None,
+                "auc_val": area(c["val_step"], c["val_reward"]),
+                "single_auc_val": area(b["val_step"], b["val_reward"]),
+                "auc_greedy": area(c["val_step"], c["val_greedy"])
+                if c["val_greedy"].size
+                else None,
+                "single_auc_greedy": (
+                    area(b["val_step"], b["val_greedy"]) if b["val_greedy"].size else None
+                ),
                 # The paper's second half: never ending below the single-use run.
                 "ends_below_single_train": bool(tr[-1] < target_train - 1e-12),
                 "ends_below_single_val": (
@@ -279,6 +314,16 @@ def summarise_arm(
     out["reached_val"] = sum(s["batches_to_target_val"] is not None for s in per_seed)
     out["speedup_train"] = speedup("single_batches_to_target_train", "batches_to_target_train")
     out["speedup_val"] = speedup("single_batches_to_target_val", "batches_to_target_val")
+
+    def paired(key, base_key, swap=False):
+        pairs = [(s[key], s[base_key]) for s in per_seed if s[key] is not None and s[base_key]]
+        return bootstrap_ratio([(b, a) for a, b in pairs] if swap else pairs)
+
+    out["auc_val_vs_single"] = paired("auc_val", "single_auc_val")
+    out["auc_greedy_vs_single"] = paired("auc_greedy", "single_auc_greedy")
+    out["rollouts_single_over_arm"] = paired(
+        "batches_to_target_val", "single_batches_to_target_val", swap=True
+    )
     out["seeds"] = per_seed
     out["gate"] = gate_diagnostics([r for rows in arm_rows for r in rows], tau)
     learn = [r for rows in arm_rows for r in rows if "dgg/passes_run" in r]
@@ -289,15 +334,15 @@ def summarise_arm(
 
 
 def plot_arms(results: dict, out: Path, *, smooth: int) -> Path:
-    """One column per regime: the smoothed training reward (top) and the held-out reward
-    (bottom) against rollout batches, mean over seeds with a min-max band when seeds > 1."""
+    """One column per regime: the smoothed training reward (top) and the held-out reward,
+    sampled and greedy, against rollout batches, mean over seeds with a min-max band when seeds > 1."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     regimes = list(results)
-    fig, axes = plt.subplots(2, len(regimes), figsize=(6 * len(regimes), 8), squeeze=False)
+    fig, axes = plt.subplots(3, len(regimes), figsize=(6 * len(regimes), 12), squeeze=False)
     for j, regime in enumerate(regimes):
         for arm, seeds in results[regime].items():
             cs = [curves(rows) for rows in seeds]
@@ -305,6 +350,7 @@ def plot_arms(results: dict, out: Path, *, smooth: int) -> Path:
                 [
                     ("train_step", "train_reward", lambda y: trailing_mean(y, smooth)),
                     ("val_step", "val_reward", lambda y: y),
+                    ("val_step", "val_greedy", lambda y: y),
                 ]
             ):
                 n = min(len(c[yk]) for c in cs)
@@ -318,6 +364,7 @@ def plot_arms(results: dict, out: Path, *, smooth: int) -> Path:
                     ax.fill_between(x, ys.min(0), ys.max(0), color=line.get_color(), alpha=0.15)
         axes[0, j].set_title(f"{regime}: training reward (trailing mean of {smooth})")
         axes[1, j].set_title(f"{regime}: held-out reward (sampled, T=1)")
+        axes[2, j].set_title(f"{regime}: held-out reward (greedy)")
         for ax in axes[:, j]:
             ax.set_xlabel("rollout batches")
             ax.grid(alpha=0.3)

@@ -57,6 +57,30 @@ def test_summarise_arm_counts_batches_to_the_single_use_reward():
     assert fig["batches_to_target_train"] == 1 and fig["ends_below_single_train"] == 1
 
 
+def test_areas_and_rollouts_to_target_with_intervals_over_seeds():
+    single = [rows([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8], val_every=1) for _ in range(3)]
+    fast = [
+        rows([0.4, 0.6, 0.7, 0.8, 0.8, 0.8, 0.8, 0.8], val_every=1),
+        rows([0.2, 0.4, 0.6, 0.8, 0.8, 0.8, 0.8, 0.8], val_every=1),
+        rows([0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.8], val_every=1),
+    ]
+    fig = summarise_arm(fast, single, smooth=1, tau=0.3)
+    # Areas: mean held-out reward after step 0; single's is 0.45 on every seed.
+    aucs = [np.mean(r) for r in ([0.4, 0.6, 0.7] + [0.8] * 5, [0.2, 0.4, 0.6] + [0.8] * 5)]
+    aucs.append(np.mean([0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.8]))
+    ratio = fig["auc_val_vs_single"]
+    assert ratio["ratio"] == pytest.approx(np.mean(aucs) / 0.45) and ratio["n"] == 3
+    assert ratio["lo"] <= ratio["ratio"] <= ratio["hi"] and ratio["lo"] > 1
+    # Batches to single's final 0.8: 4, 4 and 7 against 8: single's mean over the arm's.
+    rollouts = fig["rollouts_single_over_arm"]
+    assert rollouts["ratio"] == pytest.approx(8 / 5) and rollouts["lo"] >= 8 / 7
+    # A trailing mean over 2 evaluations moves the target to (0.7 + 0.8) / 2 and counts from
+    # the second evaluation.
+    fig = summarise_arm(fast[:1], single[:1], smooth=1, tau=0.3, val_smooth=2)
+    assert fig["target_val"] == pytest.approx(0.75) and fig["batches_to_target_val"] == 4
+    assert fig["single_batches_to_target_val"] == 8
+
+
 @pytest.mark.slow
 def test_quick_mode_end_to_end(tmp_path):
     out = tmp_path / "dgg"

@@ -3,12 +3,13 @@
     python tools/repro_dgg.py --quick                       # CI smoke: tiny config, 3 steps
     python tools/repro_dgg.py --steps 24 --seeds 0 --lrs 1e-4 5e-4 --out runs/repro_dgg
 
-Arms (`benchmarks.repro_dgg.ARMS`): single use (K=1), fixed reuse K=4 / K=8, DGG K=4 / K=8
+Arms (`benchmarks.repro_dgg.ARMS`): single use (K=1), fixed reuse K=2 / 4 / 8, DGG K=4 / K=8
 (tau 0.3) with increments across batches, and the same with increments only within a batch.
 Each learning rate in --lrs is a regime (all arms at that lr; a high one is where fixed reuse
 hurts). Rollouts are dense (`rollout.kv.policy=none`), so reuse is the only difference. One SFT
 warm start is shared by every arm. Prints one JSON object per arm, then one last line with all
 of them; writes curves.png (seed bands when --seeds has more than one) under --out.
+Several optimiser steps per pass: add `learner.num_mini_batches=N` to the overrides.
 """
 
 from __future__ import annotations
@@ -34,6 +35,13 @@ def main() -> None:
     p.add_argument("--eval-every", type=int, default=4)
     p.add_argument("--eval-examples", type=int, default=32)
     p.add_argument("--smooth", type=int, default=4, help="trailing mean of the training reward")
+    p.add_argument(
+        "--val-smooth",
+        type=int,
+        default=1,
+        help="trailing mean over this many held-out evaluations for the target and the batches "
+        "to reach it (use with --eval-every 1)",
+    )
     p.add_argument("--tau", type=float, default=0.3)
     p.add_argument("--out", default="runs/repro_dgg")
     p.add_argument(
@@ -104,6 +112,7 @@ def main() -> None:
                 smooth=a.smooth,
                 tau=a.tau,
                 window=run["config"]["learner"]["gating"]["window"],
+                val_smooth=a.val_smooth,
             )
             row = {"regime": regime, "arm": arm, "wall_s": round(sum(walls), 1), **fig}
             print(json.dumps({k: v for k, v in row.items() if k != "seeds"}), flush=True)

@@ -136,6 +136,8 @@ def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:
         out[f"dgg/z_pass{k}"] = float(np.max([h["dgg/z"] for h in updates]))
         out[f"dgg/g_pass{k}"] = float(np.mean([h["dgg/g"] for h in updates]))
     out["actor/updates"] = len(history)
+    if any(int(h.get("mini_batch", 0)) for h in history):  # every step's energy, in order
+        out.update({f"dgg/g_update{i}": float(h["dgg/g"]) for i, h in enumerate(history, 1)})
     # The correction depends on pi_old and mu only: the same on every pass.
     out.update({k: float(v) for k, v in first.items() if k.startswith("correction/")})
     return out

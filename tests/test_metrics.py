@@ -58,19 +58,21 @@ def test_learner_metrics_per_pass_gate_signals():
 
 
 def test_learner_metrics_per_pass_over_mini_batches():
-    def update(k, z, dg, g):
+    def update(k, j, z, dg, g):
         return {
             **{key: 0.0 for key in ("pg_loss", "loss", "entropy", "kl", "approx_kl")},
             **{"clip_fraction": 0.0, "grad_norm": 1.0, "lr": 1e-4, "dgg/g": g},
             **{"dgg/z": z, "dgg/dg": dg, "dgg/armed": k > 1, "dgg/fire": False},
             **{"nonfinite": False, "passes_run": 2, "passes_applied": np.float32(1.5)},
-            **{"pass_index": k},
+            **{"pass_index": k, "mini_batch": j},
         }
 
     # Two mini-batches per pass; the second pass stopped after its first update.
-    history = [update(1, 1.0, 2.0, 4.0), update(1, 3.0, -1.0, 3.0), update(2, 0.5, -2.0, 1.0)]
+    history = [update(1, 0, 1.0, 2.0, 4.0), update(1, 1, 3.0, -1.0, 3.0)]
+    history.append(update(2, 0, 0.5, -2.0, 1.0))
     out = learner_metrics(history)
     assert out["dgg/z_pass1"] == 3.0 and out["dgg/dg_pass1"] == 0.5 and out["dgg/g_pass1"] == 3.5
     assert out["dgg/z_pass2"] == 0.5 and out["dgg/dg_pass2"] == -2.0 and out["dgg/g_pass2"] == 1.0
     assert out["dgg/passes_run"] == 2 and out["dgg/passes_applied"] == 1.5
     assert out["actor/updates"] == 3 and out["dgg/armed_passes"] == 1
+    assert [out[f"dgg/g_update{i}"] for i in (1, 2, 3)] == [4.0, 3.0, 1.0]

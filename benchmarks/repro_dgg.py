@@ -164,28 +164,38 @@ def gate_diagnostics(rows: list[dict], tau: float) -> dict:
 REPLAY_RULES = ("pooled", "pooled_rising", "per_pass_dg", "per_pass_g", "per_pass_ratio")
 
 
-def pass_energies(rows: list[dict]) -> np.ndarray:
-    """`[batches, K]` lm_head gradient energy per pass of a run whose every batch ran K passes,
-    rebuilt from the last pass's `dgg/g` and the logged increments `dgg/dg_pass{k}`."""
+def pass_energies(rows: list[dict]) -> tuple[np.ndarray, int]:
+    """`([batches, K * M], M)`: the lm_head gradient energy of every step of a run whose every
+    batch ran K passes of M mini-batches, in order: the logged `dgg/g_update{i}` with several
+    mini-batches, else (M = 1) rebuilt from the last pass's `dgg/g` and the logged increments
+    `dgg/dg_pass{k}`."""
     steps = [r for r in rows if "dgg/dg_pass1" in r]
     k_max = min(r["dgg/passes_run"] for r in steps)
+    if "dgg/g_update1" in steps[0]:
+        m = steps[0]["actor/updates"] // steps[0]["dgg/passes_run"]
+        return np.array(
+            [[r[f"dgg/g_update{i}"] for i in range(1, k_max * m + 1)] for r in steps]
+        ), m
     g = np.zeros((len(steps), k_max))
     for b, r in enumerate(steps):
         g[b, -1] = r["dgg/g"]
         for k in range(k_max - 1, 0, -1):
             g[b, k - 1] = g[b, k] - r[f"dgg/dg_pass{k + 1}"]
-    return g
+    return g, 1
 
 
 def replay_gates(rows: list[dict], *, tau: float, window: int, eps: float = 1e-8) -> dict:
     """Where each rule of `REPLAY_RULES` would fire on a fixed-reuse run (gate off, K passes on
     every batch), the trajectory held fixed (so only the first fire is exact; later ones show how
-    often the rule trips). Armed as the gate is: pass k > 1, window full. Per rule: the fires,
-    the batches with one and the first such batch (1-based)."""
-    g = pass_energies(rows)
+    often the rule trips). Armed as the gate is: pass k > 1, window full. With M mini-batches
+    per pass every step is tested, and the "per_pass" rules compare a step with earlier
+    batches' steps at the same pass and mini-batch. Per rule: the fires, the batches with one
+    and the first such batch (1-based)."""
+    g, m = pass_energies(rows)
     dg = np.diff(g, axis=1, prepend=np.nan)
-    steps = [r for r in rows if "dgg/dg_pass1" in r]
-    dg[:, 0] = [r["dgg/dg_pass1"] for r in steps]
+    dg[1:, 0] = g[1:, 0] - g[:-1, -1]
+    if m == 1:
+        dg[:, 0] = [r["dgg/dg_pass1"] for r in rows if "dgg/dg_pass1" in r]
     x_of = {
         "pooled": dg,
         "pooled_rising": dg,
@@ -200,14 +210,15 @@ def replay_gates(rows: list[dict], *, tau: float, window: int, eps: float = 1e-8
         windows = [[] for _ in range(1 if pooled else x.shape[1])]
         fired = []
         for b in range(x.shape[0]):
-            for k in range(x.shape[1]):
-                win = windows[0 if pooled else k]
-                if k > 0 and len(win) >= window:
+            for u in range(x.shape[1]):
+                win = windows[0 if pooled else u]
+                if u >= m and len(win) >= window:  # pass > 1
                     w = np.asarray(win[-window:])
-                    z = (x[b, k] - w.mean()) / (w.std() + eps)
-                    if z > tau and (rule != "pooled_rising" or x[b, k] > 0):
+                    z = (x[b, u] - w.mean()) / (w.std() + eps)
+                    if z > tau and (rule != "pooled_rising" or x[b, u] > 0):
                         fired.append(b + 1)
-                win.append(x[b, k])
+                if np.isfinite(x[b, u]):
+                    win.append(x[b, u])
         out[rule] = {
             "fires": len(fired),
             "batches_fired": len(set(fired)),
@@ -335,7 +346,8 @@ def summarise_arm(
 
 def plot_arms(results: dict, out: Path, *, smooth: int) -> Path:
     """One column per regime: the smoothed training reward (top) and the held-out reward,
-    sampled and greedy, against rollout batches, mean over seeds with a min-max band when seeds > 1."""
+    sampled and greedy, against rollout batches, mean over seeds with a min-max band when
+    seeds > 1."""
     import matplotlib
 
     matplotlib.use("Agg")

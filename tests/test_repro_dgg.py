@@ -124,10 +124,32 @@ def test_replay_rebuilds_energies_and_finds_a_surge():
     g = [[1.0 + 0.1 * rng.random(), 0.5, 0.25, 0.125] for _ in range(12)]
     g[10] = [1.0, 0.5, 2.0, 0.125]  # ... except batch 11, whose pass 3 surges
     rows = fixed_rows(g)
-    np.testing.assert_allclose(pass_energies(rows), g, rtol=1e-12)
+    got, m = pass_energies(rows)
+    np.testing.assert_allclose(got, g, rtol=1e-12)
+    assert m == 1
     replay = replay_gates(rows, tau=0.3, window=8)
     # The increment +1.5 tops every earlier one, pass-1 jumps included.
     assert replay["pooled"]["first_fire_batch"] == 11
     assert replay["pooled_rising"]["fires"] == 1
     assert replay["per_pass_g"]["first_fire_batch"] == 11
     assert replay["g_last_over_first"]["first_half"] < 0.13
+
+
+def test_replay_tests_every_step_of_mini_batch_passes():
+    from benchmarks.repro_dgg import pass_energies, replay_gates
+
+    rng = np.random.default_rng(1)
+    # 2 passes of 2 mini-batches: the energy of every step, falling over the passes ...
+    g = [[1.0 + 0.1 * rng.random(), 0.9, 0.5, 0.45] for _ in range(12)]
+    g[9] = [1.0, 0.9, 0.5, 3.0]  # ... except batch 10's pass 2, mini-batch 2
+    rows = []
+    for s, e in enumerate(g, start=1):
+        row = {"step": s, "dgg/passes_run": 2, "actor/updates": 4, "dgg/dg_pass1": 0.0}
+        rows.append(row | {f"dgg/g_update{i}": v for i, v in enumerate(e, start=1)})
+    got, m = pass_energies(rows)
+    np.testing.assert_allclose(got, g, rtol=0)
+    assert m == 2
+    replay = replay_gates(rows, tau=0.3, window=8)
+    assert replay["pooled"]["first_fire_batch"] == 10
+    assert replay["pooled_rising"]["fires"] == 1  # the only rising step of a pass > 1
+    assert replay["per_pass_g"]["first_fire_batch"] == 10

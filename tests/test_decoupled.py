@@ -65,12 +65,21 @@ def test_sampler_without_trainer_or_exchange_gives_up_with_a_log_line(tmp_path, 
 
 
 @pytest.mark.slow
-def test_staleness_zero_equals_sparserl_train_bit_for_bit(tmp_path):
+@pytest.mark.parametrize(
+    "mesh",
+    [
+        [],
+        # The sampler's engine with its weights split over fsdp, never gathered (issue 29).
+        ["mesh.data=2", "mesh.fsdp=2", "mesh.tensor=2", "rollout.fsdp_shards=true"],
+    ],
+    ids=["data", "fsdp_shards"],
+)
+def test_staleness_zero_equals_sparserl_train_bit_for_bit(tmp_path, mesh):
     """One process, one exchange in memory: the decoupled trainer (main thread) and a sampler
     (a thread) with `async.max_staleness=0` train on the same batches, seeds and weights as
     `sparserl train`, so the final master weights are equal bit for bit."""
     # data.batch_size=4: 8 rows over the 8 fake devices of the test process.
-    common = ["train.steps=3", "data.batch_size=4", "async.max_staleness=0", *FAST]
+    common = ["train.steps=3", "data.batch_size=4", "async.max_staleness=0", *FAST, *mesh]
     ref = train(load_config(TINY, [f"run_dir={tmp_path / 'ref'}", *common]), log_fn=print)
     cfg = load_config(TINY, [f"run_dir={tmp_path / 'dec'}", *common])
     ctx = ts.Context()

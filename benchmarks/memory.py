@@ -167,13 +167,13 @@ def _measure_learner(row: dict, cfg: Config, model_cfg: ModelConfig, devices: li
         row["params_bytes"] = per_chip_bytes(params)
         return _finish(row, tpu_aot.compile_program(devices[0], fn, params, head, mb))
     row["batch"] = batch = row["micro_batch"] * lcfg.num_micro_batches * len(devices)
-    learner, state, rl_batch, pass_index = tpu_aot.learner_inputs(
+    learner, state, rl_batch, *indices = tpu_aot.learner_inputs(
         model_cfg, lcfg, devices, batch=batch, seq_len=row["seq_len"]
     )
     row["params_bytes"] = per_chip_bytes(state.params)
     row["opt_state_bytes"] = per_chip_bytes(state.opt_state)
     step = learner._compiled_step(rl_batch)
-    return _finish(row, tpu_aot.compile_program(devices[0], step, state, rl_batch, pass_index))
+    return _finish(row, tpu_aot.compile_program(devices[0], step, state, rl_batch, *indices))
 
 
 def _measure_engine(row: dict, cfg: Config, model_cfg: ModelConfig, devices: list) -> dict:

@@ -13,7 +13,9 @@ its step-0 checkpoint copied byte for byte into each run directory). The arms di
 - `fixed2`, `fixed4`, `fixed8`: K passes on every batch, gate off (it still logs g and z);
 - `dgg4`, `dgg8`: K passes at most, the gate on (tau 0.3), increments counted across batches
   (`reset_each_batch=false`, the default);
-- `dgg4_batch`, `dgg8_batch`: the same with increments only between passes of one batch.
+- `dgg4_batch`, `dgg8_batch`: the same with increments only between passes of one batch;
+- `dgg4_rising`: K = 4 with `rule=rising` (fire when a mini-batch's energy rose since its
+  previous pass; `rl.gating`).
 
 A regime is a set of overrides for every arm (e.g. a higher learning rate, where fixed reuse
 hurts). Figures, per arm (`summarise_arm`): the rollout batches needed to reach the single-use
@@ -47,6 +49,11 @@ ARMS: dict[str, list[str]] = {
     "fixed4": ["learner.gating.max_passes=4", "learner.gating.enabled=false"],
     "fixed8": ["learner.gating.max_passes=8", "learner.gating.enabled=false"],
     "dgg4": ["learner.gating.max_passes=4", "learner.gating.enabled=true"],
+    "dgg4_rising": [
+        "learner.gating.max_passes=4",
+        "learner.gating.enabled=true",
+        "learner.gating.rule=rising",
+    ],
     "dgg8": ["learner.gating.max_passes=8", "learner.gating.enabled=true"],
     "dgg4_batch": [
         "learner.gating.max_passes=4",
@@ -62,18 +69,26 @@ ARMS: dict[str, list[str]] = {
 
 
 def run_arm(
-    config: str, overrides: list[str], run_dir: Path, checkpoints: Path, *, rerun: bool = True
+    config: str,
+    overrides: list[str],
+    run_dir: Path,
+    checkpoints: Path,
+    *,
+    rerun: bool = True,
+    keep_finished: bool = False,
 ) -> dict:
     """One `sparserl train` run in `run_dir`, started from a copy of `checkpoints` (the shared
     SFT step 0). Returns its metrics rows, resolved config and wall time. `rerun=False` reads
-    what a finished run left in `run_dir` instead (to re-analyse, e.g. with another smoothing)."""
+    what a finished run left in `run_dir` instead (to re-analyse, e.g. with another smoothing);
+    `keep_finished` does so only when the run there finished with these very overrides."""
 
     def result(wall_s: float) -> dict:
         rows = read_metrics(run_dir / "metrics.jsonl")
         config = json.loads((run_dir / "config.json").read_text())
         return {"rows": rows, "config": config, "wall_s": wall_s}
 
-    if not rerun:
+    done = run_dir / "done.json"
+    if not rerun or (keep_finished and done.exists() and json.loads(done.read_text()) == overrides):
         return result(0.0)
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -87,6 +102,7 @@ def run_arm(
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
     if "resumed from" not in proc.stderr:
         raise RuntimeError(f"{run_dir} did not start from the shared checkpoint:\n{proc.stderr}")
+    done.write_text(json.dumps(overrides))
     return result(wall)
 
 

@@ -232,7 +232,7 @@ def learner_inputs(
         bs = functools.partial(learner._batch_sharding, mesh)
         rl_batch = RLBatch(*(None if x is None else _struct(x, bs(len(x.shape))) for x in rl_batch))
         pass_index = _struct(pass_index, NamedSharding(mesh, PartitionSpec()))
-    return learner, state, rl_batch, pass_index
+    return learner, state, rl_batch, pass_index, pass_index  # pass index, mini-batch
 
 
 def learner_program(

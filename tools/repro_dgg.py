@@ -54,6 +54,11 @@ def main() -> None:
         action="store_true",
         help="run nothing: re-read the arms' metrics under --out (same flags as the run)",
     )
+    p.add_argument(
+        "--keep-finished",
+        action="store_true",
+        help="keep runs under --out that finished with the same overrides (run only the rest)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny config, 3 steps, 2 arms")
     p.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every arm")
     a = p.parse_args()
@@ -103,6 +108,7 @@ def main() -> None:
                     out / regime / f"{arm}_s{seed}",
                     ckpts,
                     rerun=not a.analyse_only,
+                    keep_finished=a.keep_finished,
                 )
                 results[regime][arm].append(run["rows"])
                 walls.append(run["wall_s"])

@@ -23,6 +23,14 @@ gate fires on most batches at pass 2-3. Neither fire tracked harm there.
 The gate follows optax's `init` / `update` shape with a NamedTuple state, so it lives inside the
 jitted learner step; feed it the *globally reduced* energy (under `jit` with sharded gradients a
 plain `jnp.sum` is already global) so every host takes the same decision.
+
+`rule="rising"` (ours, not the paper's): fire at pass k > 1 when the energy on the same rows
+(the same mini-batch) is higher than at their previous accepted pass. Within one batch the data
+is fixed, so only the weights moved; ratio clipping normally makes that energy shrink over the
+passes, so a rise is the drift the paper's spike stands for, with no window to fill and no
+cross-slice noise. Measured with several mini-batches per pass (`docs/reproductions.md`): there
+the z-score's increments jump from slice to slice, its window's statistics are those jumps, and
+it fires on every batch.
 """
 
 import dataclasses
@@ -42,6 +50,8 @@ class DGGConfig:
     max_passes: K, the most passes over one rollout batch.
     eps: added to the window std.
     reset_each_batch: measure increments only between passes of the same batch.
+    rule: "zscore" (the paper's: the increment's z-score against the window, > tau) or
+        "rising" (the energy of the same mini-batch above its previous pass's; see above).
     """
 
     enabled: bool = True
@@ -50,8 +60,11 @@ class DGGConfig:
     max_passes: int = 4
     eps: float = 1e-8
     reset_each_batch: bool = False
+    rule: str = "zscore"
 
     def __post_init__(self):
+        if self.rule not in ("zscore", "rising"):
+            raise ValueError(f"rule must be 'zscore' or 'rising', got {self.rule!r}")
         if not self.tau > 0:
             raise ValueError(f"tau must be > 0 (paper range 0.1-0.5), got {self.tau}")
         if self.window < 2:
@@ -63,13 +76,15 @@ class DGGConfig:
 
 
 class DGGState(NamedTuple):
-    """Ring buffer of the last `window` increments and the last accepted energy."""
+    """Ring buffer of the last `window` increments and the last accepted energy; per
+    mini-batch, the energy of its last accepted step (`rule="rising"`)."""
 
     increments_w: Float[Array, " W"]
     count: Int[Array, ""]
     next_index: Int[Array, ""]
     prev_energy: Float[Array, ""]
     has_prev: Bool[Array, ""]
+    slot_energy_m: Float[Array, " M"]
 
 
 class DGGDecision(NamedTuple):
@@ -90,8 +105,9 @@ class GradientGate(NamedTuple):
     update: Callable[..., tuple[DGGDecision, DGGState]]
 
 
-def dynamic_gradient_gating(config: DGGConfig | None = None) -> GradientGate:
-    """Build the DGG gate. `pass_index` is 1-based (1 = first use of a fresh batch)."""
+def dynamic_gradient_gating(config: DGGConfig | None = None, mini_batches: int = 1) -> GradientGate:
+    """Build the DGG gate. `pass_index` is 1-based (1 = first use of a fresh batch);
+    `mini_batch` (0-based, of `mini_batches`) is the slice of the batch the step ran on."""
     cfg = config or DGGConfig()
 
     def init() -> DGGState:
@@ -101,13 +117,18 @@ def dynamic_gradient_gating(config: DGGConfig | None = None) -> GradientGate:
             next_index=jnp.zeros((), jnp.int32),
             prev_energy=jnp.zeros((), jnp.float32),
             has_prev=jnp.zeros((), bool),
+            slot_energy_m=jnp.zeros((mini_batches,), jnp.float32),
         )
 
     def update(
-        energy: Float[Array, ""], state: DGGState, pass_index: Int[Array, ""] | int
+        energy: Float[Array, ""],
+        state: DGGState,
+        pass_index: Int[Array, ""] | int,
+        mini_batch: Int[Array, ""] | int = 0,
     ) -> tuple[DGGDecision, DGGState]:
         g = jnp.asarray(energy, jnp.float32)
         k = jnp.asarray(pass_index, jnp.int32)
+        j = jnp.asarray(mini_batch, jnp.int32)
         has_increment = state.has_prev & (k > 1) if cfg.reset_each_batch else state.has_prev
         dg = jnp.where(has_increment, g - state.prev_energy, 0.0)
 
@@ -118,8 +139,12 @@ def dynamic_gradient_gating(config: DGGConfig | None = None) -> GradientGate:
         var = jnp.sum(jnp.where(filled_w, (state.increments_w - mean) ** 2, 0.0)) / n
         z = jnp.where(state.count >= 2, (dg - mean) / (jnp.sqrt(var) + cfg.eps), 0.0)
 
-        armed = (state.count >= cfg.window) & (k > 1) & has_increment & cfg.enabled
-        fire = armed & (z > cfg.tau)
+        if cfg.rule == "rising":  # the same rows' energy at their previous pass
+            armed = (k > 1) & cfg.enabled
+            fire = armed & (g > state.slot_energy_m[j])
+        else:
+            armed = (state.count >= cfg.window) & (k > 1) & has_increment & cfg.enabled
+            fire = armed & (z > cfg.tau)
         stop_reuse = fire | (k >= cfg.max_passes)
 
         # Accepted step: append the increment (if there is one) and remember g.
@@ -131,6 +156,7 @@ def dynamic_gradient_gating(config: DGGConfig | None = None) -> GradientGate:
             next_index=jnp.where(push, (state.next_index + 1) % cfg.window, state.next_index),
             prev_energy=g,
             has_prev=jnp.ones((), bool),
+            slot_energy_m=state.slot_energy_m.at[j].set(g),
         )
         new_state = DGGState(*(jnp.where(fire, o, a) for o, a in zip(state, accepted, strict=True)))
         decision = DGGDecision(

@@ -86,14 +86,11 @@ class LearnerState(NamedTuple):
     gate_fires: Int[Array, ""]
 
 
-def _with_embedding(params: dict, embedding_vd: jax.Array) -> dict:
-    return {**params, "embed": {**params["embed"], "embedding": embedding_vd}}
-
-
 def train_step(
     state: LearnerState,
     batch: RLBatch,
     pass_index: Int[Array, ""],
+    mini_batch: Int[Array, ""],
     *,
     graphdef: nnx.GraphDef,
     config: LearnerConfig,
@@ -104,7 +101,8 @@ def train_step(
     param_shardings: Any = None,
     first_pass: bool = False,
 ) -> tuple[LearnerState, dict[str, jax.Array]] | tuple[LearnerState, dict, jax.Array]:
-    """One pure learner update on `batch` (`pass_index`: 1-based reuse pass of this batch).
+    """One pure learner update on `batch` (`pass_index`: 1-based reuse pass of this batch;
+    `mini_batch`: which slice of it, 0-based, for the gate).
 
     `micro_sharding` (the `[B]` batch sharding) and `param_shardings` pin the layouts of the
     micro-batches and of the gradient accumulator when running on a mesh.
@@ -171,13 +169,14 @@ def train_step(
     # same, globally reduced energy and norm, so all take the same gate / skip decision.
     if tied:
         energy = lm_head_grad_energy(head_grad)
-        grads = _with_embedding(grads, grads["embed"]["embedding"] + head_grad)
+        embed = {**grads["embed"], "embedding": grads["embed"]["embedding"] + head_grad}
+        grads = {**grads, "embed": embed}
     else:
         energy = lm_head_grad_energy(grads["lm_head"]["kernel"])
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(energy)
 
-    decision, gate_state = gate.update(energy, state.gate, pass_index)
+    decision, gate_state = gate.update(energy, state.gate, pass_index, mini_batch)
     fire = decision.fire & finite
     apply = finite & ~fire
 
@@ -260,7 +259,7 @@ class Learner:
         self.compute_dtype = jnp.dtype(model.cfg.compute_dtype)  # of the forward passes
         self.vocab_size = params["embed"]["embedding"].shape[0]
         self.tx = config.optimizer.build()
-        self.gate = dynamic_gradient_gating(config.gating)
+        self.gate = dynamic_gradient_gating(config.gating, config.num_mini_batches)
         self._steps: dict[tuple[bool, bool], Any] = {}
         if mesh is None:
             self.param_shardings = self.state_shardings = self._batch_sharding = None
@@ -365,7 +364,7 @@ class Learner:
                 outs = (self.state_shardings, self._rep) + ((bs(2),) if first_pass else ())
                 self._steps[key] = jax.jit(
                     fn,
-                    in_shardings=(self.state_shardings, batch_shardings, self._rep),
+                    in_shardings=(self.state_shardings, batch_shardings, self._rep, self._rep),
                     out_shardings=outs,
                     donate_argnums=0,
                 )
@@ -386,7 +385,7 @@ class Learner:
         return RLBatch(*(self._shard_batch(x) for x in batch))
 
     def step(
-        self, state: LearnerState, batch: RLBatch, pass_index: int = 1
+        self, state: LearnerState, batch: RLBatch, pass_index: int = 1, mini_batch: int = 0
     ) -> tuple[LearnerState, dict[str, jax.Array]]:
         """One update (the input state is donated: use the returned one). In bypass mode
         (`config.correction.bypass`) a missing pi_old is the sampler's logprobs."""
@@ -398,12 +397,12 @@ class Learner:
                 "batch's first pass with learner.first_pass (pi_old from its forward)"
             )
         batch = self._prepare(batch)
-        return self._compiled_step(batch)(state, batch, jnp.asarray(pass_index, jnp.int32))
+        k, j = jnp.int32(pass_index), jnp.int32(mini_batch)
+        return self._compiled_step(batch)(state, batch, k, j)
 
     @property
     def first_pass_fallback(self) -> str | None:
-        """Why this learner recomputes pi_old instead of taking it from the first pass
-        (`rl.objective.first_pass_fallback`), or None when `first_pass` can run."""
+        """Why pi_old is recomputed, not taken from pass 1 (`objective.first_pass_fallback`)."""
         return first_pass_fallback(self.config)
 
     def first_pass(
@@ -418,7 +417,7 @@ class Learner:
         if self.first_pass_fallback is not None:
             raise ValueError(f"pi_old cannot come from the first pass: {self.first_pass_fallback}")
         batch = self._prepare(batch._replace(old_logp_bt=None))
-        return self._compiled_step(batch, first_pass=True)(state, batch, jnp.asarray(1, jnp.int32))
+        return self._compiled_step(batch, first_pass=True)(state, batch, jnp.int32(1), jnp.int32(0))
 
     def train_on_batch(
         self, state: LearnerState, batch: RLBatch
@@ -439,7 +438,7 @@ class Learner:
                 state, metrics, old = self.first_pass(state, minis[j])
                 minis[j] = minis[j]._replace(old_logp_bt=old)
             else:
-                state, metrics = self.step(state, minis[j], k)
+                state, metrics = self.step(state, minis[j], k, j)
             metrics = jax.tree.map(np.asarray, jax.device_get(metrics))
             history.append(metrics | {"mini_batch": np.int32(j)})
             if bool(metrics["dgg/fire"]) or bool(metrics["nonfinite"]):  # else K passes run

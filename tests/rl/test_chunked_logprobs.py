@@ -246,7 +246,7 @@ def test_learner_step_holds_no_sequence_logits():
     batch = with_old(learner, state, make_batch(seed=7))  # T = 10: chunks of 4, 4, 1 + padding
     t = batch.tokens_bt.shape[1]
     step = learner._compiled_step(batch)
-    jaxpr = jax.make_jaxpr(step)(state, batch, jnp.int32(1))
+    jaxpr = jax.make_jaxpr(step)(state, batch, jnp.int32(1), jnp.int32(0))
     with_v = [a.shape for a in _avals(jaxpr.jaxpr) if v in getattr(a, "shape", ())]
     assert any(s[-2:] == (4, v) for s in with_v), with_v
     long = [s for s in with_v if {t, t - 1, 12} & set(s)]

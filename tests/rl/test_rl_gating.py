@@ -118,7 +118,31 @@ def test_matches_deque_reference(ints, window, tau, reset):
         np.testing.assert_allclose(float(d.z), z, rtol=1e-4, atol=1e-3)
 
 
+def test_rising_rule_fires_when_the_same_rows_energy_rises():
+    # Two mini-batches per pass. Energies per (pass, mini-batch); a fire keeps the old state.
+    gate = dynamic_gradient_gating(DGGConfig(rule="rising", window=2), mini_batches=2)
+    update = jax.jit(gate.update)
+    state = gate.init()
+    seen = []
+    for g, k, j in [(4.0, 1, 0), (1.0, 1, 1), (2.0, 2, 0), (1.5, 2, 1), (1.0, 3, 0), (9.0, 1, 0)]:
+        d, state = update(jnp.float32(g), state, k, j)
+        seen.append((bool(d.fire), bool(d.armed)))
+    # Pass 1 is never armed (a fresh batch may be anything, 9.0 included); pass 2, mini-batch
+    # 0 fell (4 -> 2), mini-batch 1 rose (1 -> 1.5): fire, and its energy is not remembered;
+    # pass 3, mini-batch 0 fell again (2 -> 1).
+    assert seen == [(False, False), (False, False), (False, True), (True, True)] + [
+        (False, True),
+        (False, False),
+    ]
+    np.testing.assert_allclose(np.asarray(state.slot_energy_m), [9.0, 1.0])
+    off = dynamic_gradient_gating(DGGConfig(rule="rising", enabled=False), mini_batches=2)
+    d, _ = off.update(jnp.float32(5.0), off.init(), 2, 1)
+    assert not bool(d.fire) and not bool(d.armed)
+
+
 def test_config_validation():
+    with pytest.raises(ValueError, match="rule must be 'zscore' or 'rising'"):
+        DGGConfig(rule="spike")
     with pytest.raises(ValueError, match="tau"):
         DGGConfig(tau=0.0)
     with pytest.raises(ValueError, match="window must be >= 2.*got 1"):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from sparserl_jax.rl import sparse_rl_weights
-from sparserl_jax.rl.config import LossConfig
+from sparserl_jax.rl.config import LossConfig, OptimizerConfig
 from sparserl_jax.rl.gating import DGGConfig, DGGState
 from sparserl_jax.rl.learner import Learner
 from sparserl_jax.testing import assert_trees_equal, tiny_model
@@ -53,7 +53,7 @@ def test_step_matches_full_batch_reference(which, request):
     assert max(jax.tree.leaves(moved)) > 1e-4
 
 
-def armed_gate(window, prev_energy=0.0):
+def armed_gate(window, prev_energy=0.0, mini_batches=1):
     # A full window of zero increments: any positive increment has z = dg / eps >> tau.
     return DGGState(
         increments_w=jnp.zeros((window,), jnp.float32),
@@ -61,6 +61,7 @@ def armed_gate(window, prev_energy=0.0):
         next_index=jnp.int32(0),
         prev_energy=jnp.float32(prev_energy),
         has_prev=jnp.bool_(True),
+        slot_energy_m=jnp.zeros((mini_batches,), jnp.float32),
     )
 
 
@@ -151,10 +152,22 @@ def test_mini_batches_are_steps_on_row_slices_with_pi_old_from_before_the_batch(
     assert_trees_equal(host(got.opt_state), host(want.opt_state), what="opt_state")
     # A fire on pass 2's first mini-batch discards it and ends the batch (both loops).
     state = mini.init(model)
-    state = state._replace(gate=armed_gate(3, prev_energy=1e6))
+    state = state._replace(gate=armed_gate(3, prev_energy=1e6, mini_batches=2))
     state, history = mini.train_on_batch(state, batch)
     assert [int(m["pass_index"]) for m in history] == [1, 1, 2] and bool(history[-1]["dgg/fire"])
     assert int(state.step) == 2 and float(history[-1]["passes_applied"]) == 1.0
+    # rule="rising": a step at pass k > 1 fires when its rows' energy is above their last pass.
+    # (lr 3e-2: mini-batch 1's energy rises at pass 3 on this batch.)
+    hot = {"gating": DGGConfig(window=3, max_passes=4, rule="rising"), "num_mini_batches": 2}
+    hot["optimizer"] = OptimizerConfig(learning_rate=3e-2, weight_decay=0.01)
+    rising = Learner(model, config(**{**vars(cfg), **hot}))
+    _, history = rising.train_on_batch(rising.init(model), batch)
+    last = {}
+    for m in history:
+        j, g = int(m["mini_batch"]), float(m["dgg/g"])
+        assert bool(m["dgg/fire"]) == (int(m["pass_index"]) > 1 and g > last[j])
+        last[j] = g
+    assert bool(history[-1]["dgg/fire"]) and len(history) < 8  # the fire ended the batch
     with pytest.raises(ValueError, match="multiple of num_mini_batches"):
         Learner(model, config(num_mini_batches=3)).train_on_batch(mini.init(model), batch)
     with pytest.raises(ValueError, match="num_mini_batches must be >= 1"):

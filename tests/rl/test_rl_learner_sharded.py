@@ -59,7 +59,12 @@ def test_fsdp_step_keeps_activations_row_sharded(tied):
     state = learner.init(model)
     batch = with_old(learner, state, make_batch(seed=0))
     b, t = batch.tokens_bt.shape
-    hlo = learner._compiled_step(batch).lower(state, batch, np.int32(1)).compile().as_text()
+    hlo = (
+        learner._compiled_step(batch)
+        .lower(state, batch, np.int32(1), np.int32(0))
+        .compile()
+        .as_text()
+    )
     full = [f"[{b},{t},{f}]", f"[{b},{t - 1},{v}]", f"[{b},{t},{v}]"]
     assert [s for s in full if s in hlo] == []
     assert f"[1,{t},{f}]" in hlo  # each chip's own row of the MLP activations

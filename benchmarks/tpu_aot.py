@@ -198,9 +198,10 @@ def _head_record(model_cfg: ModelConfig, seq_len: int) -> tuple[int, int, int]:
 def learner_inputs(
     model_cfg: ModelConfig, lcfg: LearnerConfig, devices: list, *, batch=8, seq_len=2048
 ) -> tuple:
-    """(learner, state, batch, pass index) of `Learner`'s step (fp32 master weights, AdamW
-    state, no reference logprobs; with `learner.attention_mask=replay` an eviction record per
-    layer and KV head): abstract, placed on `devices` as the learner lays them out."""
+    """(learner, state, batch, pass index, rows' energy) of `Learner`'s step (fp32 master
+    weights, AdamW state, no reference logprobs; with `learner.attention_mask=replay` an
+    eviction record per layer and KV head): abstract, placed on `devices` as the learner lays
+    them out."""
     abstract = _abstract_model(model_cfg.replace(param_dtype="float32"))
     mesh = _mesh(devices)
     learner = Learner(abstract, lcfg, mesh=mesh)
@@ -224,15 +225,19 @@ def learner_inputs(
         record = jax.ShapeDtypeStruct((b, *_head_record(model_cfg, t)), jnp.int32)
         rl_batch = rl_batch._replace(evict_pos_bykt=record)
     pass_index = jax.ShapeDtypeStruct((), jnp.int32)
+    rows_energy = jax.ShapeDtypeStruct((), jnp.float32)
     if mesh is None:
         one = SingleDeviceSharding(devices[0])
-        state, rl_batch, pass_index = _place((state, rl_batch, pass_index), one)
+        state, rl_batch, pass_index, rows_energy = _place(
+            (state, rl_batch, pass_index, rows_energy), one
+        )
     else:
         state = _place(state, learner.state_shardings)
         bs = functools.partial(learner._batch_sharding, mesh)
         rl_batch = RLBatch(*(None if x is None else _struct(x, bs(len(x.shape))) for x in rl_batch))
         pass_index = _struct(pass_index, NamedSharding(mesh, PartitionSpec()))
-    return learner, state, rl_batch, pass_index, pass_index  # pass index, mini-batch
+        rows_energy = _struct(rows_energy, NamedSharding(mesh, PartitionSpec()))
+    return learner, state, rl_batch, pass_index, rows_energy
 
 
 def learner_program(

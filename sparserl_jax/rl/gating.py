@@ -76,15 +76,13 @@ class DGGConfig:
 
 
 class DGGState(NamedTuple):
-    """Ring buffer of the last `window` increments and the last accepted energy; per
-    mini-batch, the energy of its last accepted step (`rule="rising"`)."""
+    """Ring buffer of the last `window` increments and the last accepted energy."""
 
     increments_w: Float[Array, " W"]
     count: Int[Array, ""]
     next_index: Int[Array, ""]
     prev_energy: Float[Array, ""]
     has_prev: Bool[Array, ""]
-    slot_energy_m: Float[Array, " M"]
 
 
 class DGGDecision(NamedTuple):
@@ -105,9 +103,10 @@ class GradientGate(NamedTuple):
     update: Callable[..., tuple[DGGDecision, DGGState]]
 
 
-def dynamic_gradient_gating(config: DGGConfig | None = None, mini_batches: int = 1) -> GradientGate:
+def dynamic_gradient_gating(config: DGGConfig | None = None) -> GradientGate:
     """Build the DGG gate. `pass_index` is 1-based (1 = first use of a fresh batch);
-    `mini_batch` (0-based, of `mini_batches`) is the slice of the batch the step ran on."""
+    `rows_energy` (`rule="rising"`) is the energy the same rows gave at their previous accepted
+    pass of this batch (the caller keeps it: it never spans batches, so it is no gate state)."""
     cfg = config or DGGConfig()
 
     def init() -> DGGState:
@@ -117,18 +116,16 @@ def dynamic_gradient_gating(config: DGGConfig | None = None, mini_batches: int =
             next_index=jnp.zeros((), jnp.int32),
             prev_energy=jnp.zeros((), jnp.float32),
             has_prev=jnp.zeros((), bool),
-            slot_energy_m=jnp.zeros((mini_batches,), jnp.float32),
         )
 
     def update(
         energy: Float[Array, ""],
         state: DGGState,
         pass_index: Int[Array, ""] | int,
-        mini_batch: Int[Array, ""] | int = 0,
+        rows_energy: Float[Array, ""] | float = float("inf"),
     ) -> tuple[DGGDecision, DGGState]:
         g = jnp.asarray(energy, jnp.float32)
         k = jnp.asarray(pass_index, jnp.int32)
-        j = jnp.asarray(mini_batch, jnp.int32)
         has_increment = state.has_prev & (k > 1) if cfg.reset_each_batch else state.has_prev
         dg = jnp.where(has_increment, g - state.prev_energy, 0.0)
 
@@ -141,7 +138,7 @@ def dynamic_gradient_gating(config: DGGConfig | None = None, mini_batches: int =
 
         if cfg.rule == "rising":  # the same rows' energy at their previous pass
             armed = (k > 1) & cfg.enabled
-            fire = armed & (g > state.slot_energy_m[j])
+            fire = armed & (g > rows_energy)
         else:
             armed = (state.count >= cfg.window) & (k > 1) & has_increment & cfg.enabled
             fire = armed & (z > cfg.tau)
@@ -156,7 +153,6 @@ def dynamic_gradient_gating(config: DGGConfig | None = None, mini_batches: int =
             next_index=jnp.where(push, (state.next_index + 1) % cfg.window, state.next_index),
             prev_energy=g,
             has_prev=jnp.ones((), bool),
-            slot_energy_m=state.slot_energy_m.at[j].set(g),
         )
         new_state = DGGState(*(jnp.where(fire, o, a) for o, a in zip(state, accepted, strict=True)))
         decision = DGGDecision(

@@ -90,7 +90,7 @@ def train_step(
     state: LearnerState,
     batch: RLBatch,
     pass_index: Int[Array, ""],
-    mini_batch: Int[Array, ""],
+    rows_energy: Float[Array, ""],
     *,
     graphdef: nnx.GraphDef,
     config: LearnerConfig,
@@ -102,7 +102,7 @@ def train_step(
     first_pass: bool = False,
 ) -> tuple[LearnerState, dict[str, jax.Array]] | tuple[LearnerState, dict, jax.Array]:
     """One pure learner update on `batch` (`pass_index`: 1-based reuse pass of this batch;
-    `mini_batch`: which slice of it, 0-based, for the gate).
+    `rows_energy`: the lm_head energy these rows gave at their previous pass, for the gate).
 
     `micro_sharding` (the `[B]` batch sharding) and `param_shardings` pin the layouts of the
     micro-batches and of the gradient accumulator when running on a mesh.
@@ -176,7 +176,7 @@ def train_step(
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(grad_norm) & jnp.isfinite(energy)
 
-    decision, gate_state = gate.update(energy, state.gate, pass_index, mini_batch)
+    decision, gate_state = gate.update(energy, state.gate, pass_index, rows_energy)
     fire = decision.fire & finite
     apply = finite & ~fire
 
@@ -226,8 +226,7 @@ def batch_shards(mesh: Mesh | None) -> int:
 
 
 class Learner:
-    """Holds what is static about the learner (graph, config, optimizer, shardings) and the
-    jitted step; all state lives in `LearnerState`.
+    """What is static about the learner (graph, config, optimizer, shardings, jitted step).
 
         learner = Learner(model, LearnerConfig(), mesh=mesh)
         state = learner.init(model)
@@ -259,7 +258,7 @@ class Learner:
         self.compute_dtype = jnp.dtype(model.cfg.compute_dtype)  # of the forward passes
         self.vocab_size = params["embed"]["embedding"].shape[0]
         self.tx = config.optimizer.build()
-        self.gate = dynamic_gradient_gating(config.gating, config.num_mini_batches)
+        self.gate = dynamic_gradient_gating(config.gating)
         self._steps: dict[tuple[bool, bool], Any] = {}
         if mesh is None:
             self.param_shardings = self.state_shardings = self._batch_sharding = None
@@ -385,7 +384,7 @@ class Learner:
         return RLBatch(*(self._shard_batch(x) for x in batch))
 
     def step(
-        self, state: LearnerState, batch: RLBatch, pass_index: int = 1, mini_batch: int = 0
+        self, state: LearnerState, batch: RLBatch, pass_index: int = 1, rows_energy=np.inf
     ) -> tuple[LearnerState, dict[str, jax.Array]]:
         """One update (the input state is donated: use the returned one). In bypass mode
         (`config.correction.bypass`) a missing pi_old is the sampler's logprobs."""
@@ -397,8 +396,8 @@ class Learner:
                 "batch's first pass with learner.first_pass (pi_old from its forward)"
             )
         batch = self._prepare(batch)
-        k, j = jnp.int32(pass_index), jnp.int32(mini_batch)
-        return self._compiled_step(batch)(state, batch, k, j)
+        k, e = jnp.int32(pass_index), jnp.float32(rows_energy)
+        return self._compiled_step(batch)(state, batch, k, e)
 
     @property
     def first_pass_fallback(self) -> str | None:
@@ -417,34 +416,35 @@ class Learner:
         if self.first_pass_fallback is not None:
             raise ValueError(f"pi_old cannot come from the first pass: {self.first_pass_fallback}")
         batch = self._prepare(batch._replace(old_logp_bt=None))
-        return self._compiled_step(batch, first_pass=True)(state, batch, jnp.int32(1), jnp.int32(0))
+        one, inf = jnp.int32(1), jnp.float32(np.inf)
+        return self._compiled_step(batch, first_pass=True)(state, batch, one, inf)
 
     def train_on_batch(
         self, state: LearnerState, batch: RLBatch
     ) -> tuple[LearnerState, list[dict[str, np.ndarray]]]:
-        """Reuse one rollout batch for up to K passes of `num_mini_batches` updates each (row
-        slices), stopping when DGG fires (that update is discarded) or a step is not finite. A
-        missing pi_old comes from the first pass's forward (`first_pass`), or, where
-        `first_pass_fallback` says why not, a recompute with `logprobs` first; in bypass mode it
-        is the sampler's logprobs. Returns the per-update metrics (`pass_index`, `mini_batch`)."""
+        """Up to K passes of `num_mini_batches` updates (row slices) on one rollout batch, until
+        DGG fires (that update discarded) or a step is not finite. A missing pi_old comes from
+        pass 1's forward (`first_pass`) or, where `first_pass_fallback` says why not, a recompute
+        first; in bypass mode it is mu. Returns the per-update metrics (`pass_index`, ...)."""
         first = batch.old_logp_bt is None and self.first_pass_fallback is None
         if batch.old_logp_bt is None and not first and not self.config.correction.bypass:
             old = self.logprobs(state.params, batch.tokens_bt, batch.evict_pos_bykt)
             batch = batch._replace(old_logp_bt=old)
         n = self.config.num_mini_batches
-        minis, history = mini_batches(batch, n), []
+        minis, history, energy = mini_batches(batch, n), [], [np.inf] * n
         for k, j in itertools.product(range(1, self.config.gating.max_passes + 1), range(n)):
             if k == 1 and first:  # one mini-batch: `first_pass_fallback` refuses several
                 state, metrics, old = self.first_pass(state, minis[j])
                 minis[j] = minis[j]._replace(old_logp_bt=old)
             else:
-                state, metrics = self.step(state, minis[j], k, j)
-            metrics = jax.tree.map(np.asarray, jax.device_get(metrics))
-            history.append(metrics | {"mini_batch": np.int32(j)})
+                state, metrics = self.step(state, minis[j], k, energy[j])
+            metrics = jax.tree.map(np.asarray, jax.device_get(metrics)) | {"mini_batch": j}
+            history.append(metrics)
+            energy[j] = metrics["dgg/g"] if metrics["applied"] else energy[j]
             if bool(metrics["dgg/fire"]) or bool(metrics["nonfinite"]):  # else K passes run
                 break
-        applied = int(sum(bool(m["applied"]) for m in history))
+        applied = sum(bool(m["applied"]) for m in history) / n  # in passes
         for m in history:
             m["passes_run"] = np.int32(history[-1]["pass_index"])
-            m["passes_applied"] = np.int32(applied) if n == 1 else np.float32(applied / n)
+            m["passes_applied"] = np.int32(applied) if n == 1 else np.float32(applied)
         return state, history

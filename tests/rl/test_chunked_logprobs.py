@@ -24,7 +24,7 @@ from flax import nnx
 from sparserl_jax.models.transformer import head_logits
 from sparserl_jax.rl import learner as learner_mod
 from sparserl_jax.rl.config import LearnerConfig, LossConfig, OptimizerConfig
-from sparserl_jax.rl.learner import Learner, _with_embedding
+from sparserl_jax.rl.learner import Learner
 from sparserl_jax.rl.losses import LOG_RATIO_BOUND, kl_penalty
 from sparserl_jax.rl.policy_losses import compute_policy_loss
 from sparserl_jax.rollout import dense_logprobs, head_logprobs, teacher_forced_logprobs
@@ -149,7 +149,11 @@ def _old_micro_loss(params, head_w, mb, *, graphdef, config: LearnerConfig, tied
     loss_cfg, temp = config.loss, config.loss.temperature
     model = nnx.merge(graphdef, params)
     h_btd = model.hidden_states(mb["tokens"])
-    head = nnx.merge(graphdef, _with_embedding(params, head_w)) if tied else model
+    head = (
+        nnx.merge(graphdef, {**params, "embed": {**params["embed"], "embedding": head_w}})
+        if tied
+        else model
+    )
     logits_btv = head.logits(h_btd)
     logp_bt = shifted_token_logprobs(logits_btv, mb["tokens"], temperature=temp)
     old_bt = mb["old_logp"]
@@ -246,7 +250,7 @@ def test_learner_step_holds_no_sequence_logits():
     batch = with_old(learner, state, make_batch(seed=7))  # T = 10: chunks of 4, 4, 1 + padding
     t = batch.tokens_bt.shape[1]
     step = learner._compiled_step(batch)
-    jaxpr = jax.make_jaxpr(step)(state, batch, jnp.int32(1), jnp.int32(0))
+    jaxpr = jax.make_jaxpr(step)(state, batch, jnp.int32(1), jnp.float32(jnp.inf))
     with_v = [a.shape for a in _avals(jaxpr.jaxpr) if v in getattr(a, "shape", ())]
     assert any(s[-2:] == (4, v) for s in with_v), with_v
     long = [s for s in with_v if {t, t - 1, 12} & set(s)]

@@ -53,7 +53,7 @@ def test_step_matches_full_batch_reference(which, request):
     assert max(jax.tree.leaves(moved)) > 1e-4
 
 
-def armed_gate(window, prev_energy=0.0, mini_batches=1):
+def armed_gate(window, prev_energy=0.0):
     # A full window of zero increments: any positive increment has z = dg / eps >> tau.
     return DGGState(
         increments_w=jnp.zeros((window,), jnp.float32),
@@ -61,7 +61,6 @@ def armed_gate(window, prev_energy=0.0, mini_batches=1):
         next_index=jnp.int32(0),
         prev_energy=jnp.float32(prev_energy),
         has_prev=jnp.bool_(True),
-        slot_energy_m=jnp.zeros((mini_batches,), jnp.float32),
     )
 
 
@@ -152,7 +151,7 @@ def test_mini_batches_are_steps_on_row_slices_with_pi_old_from_before_the_batch(
     assert_trees_equal(host(got.opt_state), host(want.opt_state), what="opt_state")
     # A fire on pass 2's first mini-batch discards it and ends the batch (both loops).
     state = mini.init(model)
-    state = state._replace(gate=armed_gate(3, prev_energy=1e6, mini_batches=2))
+    state = state._replace(gate=armed_gate(3, prev_energy=1e6))
     state, history = mini.train_on_batch(state, batch)
     assert [int(m["pass_index"]) for m in history] == [1, 1, 2] and bool(history[-1]["dgg/fire"])
     assert int(state.step) == 2 and float(history[-1]["passes_applied"]) == 1.0

@@ -61,7 +61,7 @@ def test_fsdp_step_keeps_activations_row_sharded(tied):
     b, t = batch.tokens_bt.shape
     hlo = (
         learner._compiled_step(batch)
-        .lower(state, batch, np.int32(1), np.int32(0))
+        .lower(state, batch, np.int32(1), np.float32(np.inf))
         .compile()
         .as_text()
     )

@@ -312,8 +312,8 @@ def summarise_arm(
                 ),
                 # The paper's second half: never ending below the single-use run.
                 "ends_below_single_train": bool(tr[-1] < target_train - 1e-12),
-                "ends_below_single_val": (
-                    bool(final_val < target_val - 1e-12) if target_val is not None else None
+                "ends_below_single_val": (  # on the same trailing mean as the target
+                    bool(cv[-1] < target_val - 1e-12) if target_val is not None else None
                 ),
                 "start_val": float(c["val_reward"][0]) if c["val_reward"].size else None,
                 "fires_per_batch": float(np.mean([r["dgg/fires"] for r in learn])),

@@ -79,6 +79,10 @@ def test_areas_and_rollouts_to_target_with_intervals_over_seeds():
     fig = summarise_arm(fast[:1], single[:1], smooth=1, tau=0.3, val_smooth=2)
     assert fig["target_val"] == pytest.approx(0.75) and fig["batches_to_target_val"] == 4
     assert fig["single_batches_to_target_val"] == 8
+    # Single use never ends below its own target, on the same trailing mean.
+    jagged = rows([0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.9, 0.7], val_every=1)
+    fig = summarise_arm([jagged], [jagged], smooth=1, tau=0.3, val_smooth=2)
+    assert fig["ends_below_single_val"] == 0 and fig["ends_below_single_train"] == 0
 
 
 @pytest.mark.slow

@@ -135,8 +135,9 @@ def _final_arrays(run: Path, step: int) -> tuple[dict, dict]:
 
 
 def test_two_processes_complete_exactly_once_resume_bit_identical_and_match_one(tmp_path):
-    """At staleness 0 (deterministic rollouts): two trainer processes and a sampler complete 4
-    steps exactly once, every consumed rollout made with weights the sampler verified; stopped
+    """At staleness 0 (deterministic rollouts), two mini-batches per pass: two trainer
+    processes and a sampler complete 4 steps exactly once, every consumed rollout made with
+    weights the sampler verified; stopped
     at step 2 and relaunched to 4 they resume from the checkpoint both saved and end with the
     bits of the uninterrupted run and of a rerun of it. One process (one device) is held to a
     float tolerance, not to bits: the gradient all-reduce adds the two processes' partial sums
@@ -145,7 +146,9 @@ def test_two_processes_complete_exactly_once_resume_bit_identical_and_match_one(
     import jax
     import numpy as np
 
-    fixed = [*FAST, "async.max_staleness=0"]
+    # Two optimiser steps per batch (pi_old recomputed across the processes first); the kill
+    # test above keeps one, whose pi_old comes from the first pass.
+    fixed = [*FAST, "async.max_staleness=0", "learner.num_mini_batches=2"]
     leader, follower, sampler = _run(tmp_path / "a", 4, "a", fixed)
     run = tmp_path / "a" / "run"
     assert json.loads(leader.strip().splitlines()[-1])["end_step"] == 4

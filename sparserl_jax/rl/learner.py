@@ -51,6 +51,7 @@ from sparserl_jax.rl.objective import (
     mini_batches,
     replayed_evictions,
     scale_sums,
+    with_embedding,
 )
 from sparserl_jax.rl.objective import micro_loss as _micro_loss
 from sparserl_jax.rollout.logprobs import (
@@ -169,8 +170,7 @@ def train_step(
     # same, globally reduced energy and norm, so all take the same gate / skip decision.
     if tied:
         energy = lm_head_grad_energy(head_grad)
-        embed = {**grads["embed"], "embedding": grads["embed"]["embedding"] + head_grad}
-        grads = {**grads, "embed": embed}
+        grads = with_embedding(grads, grads["embed"]["embedding"] + head_grad)
     else:
         energy = lm_head_grad_energy(grads["lm_head"]["kernel"])
     grad_norm = optax.tree.norm(grads)

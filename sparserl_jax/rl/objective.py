@@ -229,6 +229,12 @@ def first_pass_fallback(config: LearnerConfig) -> str | None:
     return None
 
 
+def with_embedding(params: dict, embedding_vd) -> dict:
+    """`params` with its (tied) embedding matrix replaced: the head's and the table's gradients
+    summed, or a separately differentiated head put back."""
+    return {**params, "embed": {**params["embed"], "embedding": embedding_vd}}
+
+
 def mini_batches(batch, n: int) -> list:
     """`batch` (a NamedTuple of `[B, ...]` arrays or None) as `n` contiguous row slices, for
     `num_mini_batches`: whole GRPO groups when a slice holds a multiple of the group size."""

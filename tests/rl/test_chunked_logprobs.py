@@ -26,6 +26,7 @@ from sparserl_jax.rl import learner as learner_mod
 from sparserl_jax.rl.config import LearnerConfig, LossConfig, OptimizerConfig
 from sparserl_jax.rl.learner import Learner
 from sparserl_jax.rl.losses import LOG_RATIO_BOUND, kl_penalty
+from sparserl_jax.rl.objective import with_embedding
 from sparserl_jax.rl.policy_losses import compute_policy_loss
 from sparserl_jax.rollout import dense_logprobs, head_logprobs, teacher_forced_logprobs
 from sparserl_jax.rollout.sampling import entropy_from_logits, shifted_token_logprobs
@@ -149,11 +150,7 @@ def _old_micro_loss(params, head_w, mb, *, graphdef, config: LearnerConfig, tied
     loss_cfg, temp = config.loss, config.loss.temperature
     model = nnx.merge(graphdef, params)
     h_btd = model.hidden_states(mb["tokens"])
-    head = (
-        nnx.merge(graphdef, {**params, "embed": {**params["embed"], "embedding": head_w}})
-        if tied
-        else model
-    )
+    head = nnx.merge(graphdef, with_embedding(params, head_w)) if tied else model
     logits_btv = head.logits(h_btd)
     logp_bt = shifted_token_logprobs(logits_btv, mb["tokens"], temperature=temp)
     old_bt = mb["old_logp"]

@@ -109,18 +109,21 @@ def run_arm(
 def curves(rows: list[dict]) -> dict[str, np.ndarray]:
     """Per-step training reward (steps 1..N) and the held-out evaluations (step, reward)."""
     train = sorted((r["step"], r["critic/score/mean"]) for r in rows if "critic/score/mean" in r)
-    val = sorted((r["step"], r["val/reward_mean"]) for r in rows if "val/reward_mean" in r)
-    greedy = [
-        r["val/greedy_reward_mean"]
-        for r in sorted(rows, key=lambda r: r["step"])
-        if "val/reward_mean" in r and "val/greedy_reward_mean" in r
-    ]
+    val = sorted(
+        (
+            (r["step"], r["val/reward_mean"], r.get("val/greedy_reward_mean"))
+            for r in rows
+            if "val/reward_mean" in r
+        ),
+        key=lambda v: v[0],
+    )
+    greedy = [g for _, _, g in val]
     return {
         "train_step": np.array([s for s, _ in train], np.int64),
         "train_reward": np.array([v for _, v in train], np.float64),
-        "val_step": np.array([s for s, _ in val], np.int64),
-        "val_reward": np.array([v for _, v in val], np.float64),
-        "val_greedy": np.array(greedy if len(greedy) == len(val) else [], np.float64),
+        "val_step": np.array([s for s, _, _ in val], np.int64),
+        "val_reward": np.array([v for _, v, _ in val], np.float64),
+        "val_greedy": np.array(greedy if None not in greedy else [], np.float64),
     }
 
 

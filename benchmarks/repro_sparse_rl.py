@@ -157,6 +157,15 @@ def _done(cfg: Config) -> dict | None:
 
 
 _SFT_SECTIONS = ("model", "tokenizer", "data", "sft")  # what the warm start depends on
+# ... except how RL forms its batches from the rows (the SFT reads `sft_pairs`, unshuffled, in
+# `sft.batch_size` pairs): an RL arm with fewer prompts per step keeps the study's SFT start.
+_RL_BATCHING = ("batch_size", "shuffle", "num_epochs", "drop_remainder")
+
+
+def _sft_view(config: dict) -> dict:
+    view = {k: config.get(k) for k in _SFT_SECTIONS}
+    view["data"] = {k: v for k, v in (view["data"] or {}).items() if k not in _RL_BATCHING}
+    return view
 
 
 def _sft_done(cfg: Config) -> bool:
@@ -164,9 +173,7 @@ def _sft_done(cfg: Config) -> bool:
     done = Path(cfg.run_dir) / "done.json"
     if not done.exists():
         return False
-    saved = json.loads(done.read_text())["config"]
-    now = _as_saved(cfg)
-    return all(saved.get(k) == now.get(k) for k in _SFT_SECTIONS)
+    return _sft_view(json.loads(done.read_text())["config"]) == _sft_view(_as_saved(cfg))
 
 
 def _train(cfg: Config, log: Callable[[str], None]) -> dict:

@@ -97,6 +97,25 @@ def test_signature_failures_name_each_part():
     ]
 
 
+def test_sft_start_is_kept_across_rl_batching_but_not_across_its_data(tmp_path):
+    """An arm with fewer prompts per RL step reuses the study's SFT start (the SFT reads its
+    own pairs in `sft.batch_size`); anything the pairs depend on voids it."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import repro_sparse_rl as study
+    from sparserl_jax.config import to_dict
+
+    def cfg(*extra):
+        return load_config(ROOT / "configs/tiny.yaml", [f"run_dir={tmp_path}", *extra])
+
+    assert not study._sft_done(cfg())
+    (tmp_path / "done.json").write_text(json.dumps({"config": to_dict(cfg()), "summary": {}}))
+    assert study._sft_done(cfg())
+    assert study._sft_done(cfg("data.batch_size=3", "data.shuffle=false", "train.steps=7"))
+    assert not study._sft_done(cfg("data.seed=5"))
+    assert not study._sft_done(cfg("sft.batch_size=3"))
+    assert not study._sft_done(cfg("model.seed=1"))
+
+
 @pytest.mark.slow
 def test_a_run_cut_off_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     """The study can run in pieces: a run stopped mid-way (its done.json missing, checkpoints

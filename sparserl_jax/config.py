@@ -170,6 +170,9 @@ class TrainConfig:
         full cache (`val/dense_reward_mean` sampled, `val/dense_greedy_reward_mean`): the
         trained policy's quality apart from the eviction its rollouts and `val/` figures
         decode with. Training is unchanged (the extra decodes only read the weights).
+      eval_sampled: also decode each held-out prompt's group of sampled completions
+        (`val/reward_mean`); false keeps only the greedy completion (`val/greedy_reward_mean`,
+        verl's default `do_sample: false`), a group's worth less decoding per prompt.
       tensorboard: also write TensorBoard event files (needs tensorboardX).
       progress: show a progress bar with ETA on the console.
       plot: write `metrics.png` in the run directory at the end.
@@ -189,6 +192,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_examples: int = 64
     eval_dense: bool = False
+    eval_sampled: bool = True
     tensorboard: bool = False
     progress: bool = True
     plot: bool = True

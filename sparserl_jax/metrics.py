@@ -251,12 +251,12 @@ def record_evaluation(summary: dict, val: Mapping[str, float], step: int, when: 
     and log it in one line; `val` empty (no held-out set): nothing."""
     if not val:
         return
-    summary[f"val_reward_{when}"] = val["val/reward_mean"]
+    sampled = ""
+    if "val/reward_mean" in val:  # absent with `train.eval_sampled: false`
+        summary[f"val_reward_{when}"] = val["val/reward_mean"]
+        sampled = f"{val['val/reward_mean']:.3f} (sampled), "
     summary[f"val_greedy_reward_{when}"] = val["val/greedy_reward_mean"]
-    log_fn(
-        f"step {step}: held-out reward {val['val/reward_mean']:.3f} (sampled), "
-        f"{val['val/greedy_reward_mean']:.3f} (greedy)"
-    )
+    log_fn(f"step {step}: held-out reward {sampled}{val['val/greedy_reward_mean']:.3f} (greedy)")
 
 
 def summarise_rewards(
@@ -268,10 +268,15 @@ def summarise_rewards(
         k = max(1, len(rewards_seen) // 5)
         summary["train_reward_first"] = float(np.mean(rewards_seen[:k]))
         summary["train_reward_last"] = float(np.mean(rewards_seen[-k:]))
-    if "val_reward_before" in summary and "val_reward_after" in summary:
+    if "val_greedy_reward_before" in summary and "val_greedy_reward_after" in summary:
+        sampled = ""
+        if "val_reward_before" in summary and "val_reward_after" in summary:
+            sampled = (
+                f"(sampled at T={temperature}) {summary['val_reward_before']:.3f} -> "
+                f"{summary['val_reward_after']:.3f}, "
+            )
         log_fn(
-            f"summary: held-out reward (sampled at T={temperature}) "
-            f"{summary['val_reward_before']:.3f} -> {summary['val_reward_after']:.3f}, greedy "
+            f"summary: held-out reward {sampled}greedy "
             f"{summary['val_greedy_reward_before']:.3f} -> "
             f"{summary['val_greedy_reward_after']:.3f}, over steps {start}..{end}"
         )

@@ -253,13 +253,14 @@ class Sampler:
         reward_fn,
         *,
         dense: bool = False,
+        sampled: bool = True,
     ) -> dict[str, float]:
         """Held-out reward of the held weights on `examples` (`prompts`: their token ids): the
         mean over a group of completions per prompt sampled like the training rollouts, with
-        fixed seeds (`val/reward_mean`: the policy RL improves), and of one greedy completion
-        per prompt (`val/greedy_reward_mean`); both decode with the rollouts' KV cache.
-        `dense` (with a compressed cache): the same two decoded with the full cache
-        (`val/dense_reward_mean`, `val/dense_greedy_reward_mean`)."""
+        fixed seeds (`val/reward_mean`: the policy RL improves; left out when not `sampled`),
+        and of one greedy completion per prompt (`val/greedy_reward_mean`); both decode with
+        the rollouts' KV cache. `dense` (with a compressed cache): the same decoded with the
+        full cache (`val/dense_reward_mean`, `val/dense_greedy_reward_mean`)."""
         if not examples:
             return {}
         params = self.params()
@@ -272,7 +273,7 @@ class Sampler:
                 self.dense_engines = _engines(self.model, full, self.mesh)
             engines += [("val/dense_", self.dense_engines[0])]
             engines += [("val/dense_greedy_", self.dense_engines[1])]
-        for prefix, engine in engines:
+        for prefix, engine in engines if sampled else engines[1::2]:
             result = engine.generate(prompts, params=params, seeds=seeds)
             group = len(result.prompt_ids) // len(prompts)
             texts = completion_texts(result, tokenizer)

@@ -57,7 +57,8 @@ from sparserl_jax.metrics import (
     summarise_rewards,
     truncate_metrics,
 )
-from sparserl_jax.rl import Learner, LearnerState, batch_shards
+from sparserl_jax.parallel import batch_shards
+from sparserl_jax.rl import Learner, LearnerState
 from sparserl_jax.rollout import RolloutConfig
 from sparserl_jax.sampler import (
     Sampler,
@@ -361,16 +362,15 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
         kept = truncate_metrics(run.cfg.run_dir, run.start_step)
         at_start = [r for r in kept if r.get("step") == run.start_step]
         write_before = not at_start
-        evaluated = any("val/reward_mean" in r for r in at_start)
+        evaluated = any("val/greedy_reward_mean" in r for r in at_start)
     writer = MetricsWriter(run.cfg.run_dir, tensorboard=tcfg.tensorboard)
     held_out = run.held_out
     held_prompts = encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
 
     def evaluate(step: int, key: str, when: str) -> dict[str, float]:
         with guard.abortable(f"{key}:{step}", f"the held-out evaluation {when} step {step}"):
-            val = run.sampler.evaluate(
-                held_out, held_prompts, run.tokenizer, run.reward_fn, dense=tcfg.eval_dense
-            )
+            how = {"dense": tcfg.eval_dense, "sampled": tcfg.eval_sampled}
+            val = run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn, **how)
         if key != "eval":
             record_evaluation(summary, val, step, when, log_fn)
         return val

@@ -32,7 +32,7 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "study"
-    result = repro_sparse_rl.main(["--quick", "--out", str(out)])
+    result = repro_sparse_rl.main(["--quick", "--out", str(out), "--heldout", "6"])
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(result))
     assert result["budgets"] == [8] and result["rollout_length"] == 32
@@ -51,6 +51,16 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
     assert ci["n"] == 1 and ci["lo"] is None  # one seed: a ratio, no interval
     assert "reached_target" in cells["corrected"] and result["target_reward"] is not None
     assert (out / "curves.png").stat().st_size > 0
+    # --heldout: every run's final weights decoded greedy on 6 prompts, dense and at budget 8.
+    for arm in ("dense", "corrected"):
+        heldout = out / "runs" / f"{arm}_s0{'' if arm == 'dense' else '_b8'}_heldout6_b8"
+        [row] = read_metrics(heldout)
+        assert "val/reward_mean" not in row
+        assert cells[arm]["heldout_prompts"] == 6
+        assert cells[arm]["heldout_greedy"]["mean"] == row["val/greedy_reward_mean"]
+        assert cells[arm]["heldout_dense_greedy"]["mean"] == row["val/dense_greedy_reward_mean"]
+    assert cells["dense"]["heldout_dense_greedy_vs_dense_ci"]["ratio"] in (1.0, None)
+    assert result["targets"][0]["greedy_heldout_prompts"] == 6
 
     # The corrected run started from the copied step-0 checkpoint; the same config with its own
     # SFT stage in a fresh directory gives the same rows (numbers, not clocks).
@@ -112,6 +122,12 @@ def test_sft_start_is_kept_across_rl_batching_but_not_across_its_data(tmp_path):
     assert study._sft_done(cfg())
     assert study._sft_done(cfg("data.batch_size=3", "data.shuffle=false", "train.steps=7"))
     assert not study._sft_done(cfg("data.seed=5"))
+    # A key the code gained since the run was saved reads at its default: still the same run.
+    saved = json.loads((tmp_path / "done.json").read_text())
+    del saved["config"]["train"]["eval_sampled"]
+    (tmp_path / "done.json").write_text(json.dumps(saved))
+    assert study._sft_done(cfg()) and study._done(cfg()) == {}
+    assert study._done(cfg("train.eval_sampled=false")) is None
     assert not study._sft_done(cfg("sft.batch_size=3"))
     assert not study._sft_done(cfg("model.seed=1"))
 

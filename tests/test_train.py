@@ -335,3 +335,26 @@ def test_an_evaluation_only_run_evaluates_once(tmp_path, monkeypatch):
     assert summary["val_reward_after"] == summary["val_reward_before"]
     assert summary["val_greedy_reward_after"] == summary["val_greedy_reward_before"]
     assert len([r for r in read_metrics(tmp_path) if "val/reward_mean" in r]) == 1
+
+
+def test_greedy_only_evaluation_keeps_the_greedy_figures(tmp_path):
+    """`train.eval_sampled=false` decodes only each held-out prompt's greedy completion (with
+    the run's cache and, with `eval_dense`, the full one): the same greedy figures, no sampled
+    ones, and a resumed evaluation-only run still counts as evaluated."""
+    base = ["train.steps=0", "train.eval_examples=3", "data.batch_size=4", "train.eval_dense=true"]
+    both = load_config(TINY, [f"run_dir={tmp_path / 'both'}", *base])
+    greedy = load_config(
+        TINY, [f"run_dir={tmp_path / 'greedy'}", *base, "train.eval_sampled=false"]
+    )
+    assert both.rollout.kv is not None
+    logs = []
+    train(both, log_fn=lambda m: None)
+    summary = train(greedy, log_fn=logs.append)
+    [want] = read_metrics(tmp_path / "both")
+    [row] = read_metrics(tmp_path / "greedy")
+    keys = ("val/greedy_reward_mean", "val/dense_greedy_reward_mean")
+    assert {k: row[k] for k in keys} == {k: want[k] for k in keys}
+    assert not any(k in row for k in ("val/reward_mean", "val/dense_reward_mean"))
+    assert "val_reward_before" not in summary
+    assert summary["val_greedy_reward_before"] == want["val/greedy_reward_mean"]
+    assert any("held-out reward greedy" in m for m in logs), logs

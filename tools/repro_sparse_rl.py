@@ -18,7 +18,9 @@ fails, the tool prints which part on stderr and in the JSON (`signature_failures
 and exits with status 2 (`--no-signature-check` runs the arms anyway; `--quick` never checks).
 
 Writes under --out: `sft/` (the shared warm start), `signature/b<B>/` (the SFT model decoded with
-each budget, no training), `runs/<arm>_s<seed>[_b<B>]/` (each run's metrics.jsonl), `raw.json`,
+each budget, no training), `runs/<arm>_s<seed>[_b<B>]/` (each run's metrics.jsonl; with
+`--heldout N`, `..._heldout<N>_b<B>/`: its final weights decoded greedy on N held-out prompts,
+dense and at budget B, for every arm alike), `raw.json`,
 `curves.png` (training reward per budget, mean over seeds with a min-max band). Prints one line
 per finished run, then one JSON line: the signature, a cell per (arm, budget) with means over
 seeds, and the issue's targets at budgets <= L/4. `--set KEY=VALUE` (repeatable) overrides any
@@ -56,6 +58,14 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seeds", nargs="+", type=int, default=None, help="default 0 1 2")
     p.add_argument("--steps", type=int, default=None, help="RL steps (default: the config's)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument(
+        "--heldout",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also decode each run's final weights greedy on N held-out prompts, dense and at "
+        "each budget (the ratio-to-dense target then reads them)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny config, 2 steps, 3 arms, 1 budget")
     p.add_argument(
         "--signature-only",
@@ -84,6 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
             steps=args.steps or 2,
             overrides=(*QUICK, *args.set),
             check_signature=False,
+            heldout=args.heldout,
         )
     else:
         study = Study(
@@ -95,6 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
             steps=args.steps,
             overrides=tuple(args.set),
             check_signature=not args.no_signature_check,
+            heldout=args.heldout,
         )
     raw = run_study(study, log=lambda m: print(m, file=sys.stderr, flush=True))
     (out / "raw.json").write_text(json.dumps(raw, indent=1))

@@ -176,3 +176,9 @@ def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
     axes = tuple(a for a in ("data", "fsdp") if mesh.shape[a] > 1)
     lead = axes if len(axes) > 1 else (axes[0] if axes else None)
     return NamedSharding(mesh, PartitionSpec(lead, *([None] * (ndim - 1))))
+
+
+def batch_shards(mesh: Mesh | None) -> int:
+    """How many shards a `[B, ...]` batch's rows are split over (`batch_sharding`): data x fsdp,
+    1 without a mesh. A learner batch must hold a multiple of `num_micro_batches` x this."""
+    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]

@@ -42,7 +42,6 @@ from sparserl_jax.rl.learner import (
     Learner,
     LearnerState,
     RLBatch,
-    batch_shards,
     train_step,
 )
 from sparserl_jax.rl.losses import (
@@ -101,7 +100,6 @@ __all__ = [
     "PolicyLoss",
     "REJECTION_CRITERIA",
     "RLBatch",
-    "batch_shards",
     "RejectionCriterion",
     "SparseRLCorrection",
     "SparseRLCorrectionConfig",

@@ -210,12 +210,14 @@ class LearnerConfig:
 
     `num_mini_batches`: optimiser steps per pass over a rollout batch (verl's
     `ppo_mini_batch_size` = rows / this): each pass updates on the batch's rows in that many
-    contiguous slices (whole GRPO groups when the slice holds a multiple of `n_samples`), in
-    the same order every pass. Each slice is its own loss (its own denominators and Sparse-RL
-    batch statistics, as verl's mini-batches); DGG sees every step and, on a fire at pass
-    k > 1, discards it and ends the batch's reuse. pi_old is then the weights before the
-    batch's first step, so it is recomputed by a separate forward (it cannot come from the
-    first pass's forward, which for slices 2.. runs at updated weights).
+    strided slices (mini-batch j = rows j, j + n, ..., as the micro-batches: no data moves on
+    a data-sharded mesh, and each slice holds samples of every GRPO group; verl's are
+    contiguous slices of whole groups), in the same order every pass. Each slice is its own
+    loss (its own denominators and Sparse-RL batch statistics, as verl's mini-batches); DGG
+    sees every step and, on a fire at pass k > 1, discards it and ends the batch's reuse.
+    pi_old is then the weights before the batch's first step, so it is recomputed by a
+    separate forward (it cannot come from the first pass's forward, which for slices 2.. runs
+    at updated weights).
     `num_micro_batches` splits each mini-batch for gradient accumulation (the rollout batch
     must divide by mini-batches x micro-batches x data shards). The step is exact under
     accumulation: loss denominators and Sparse-RL weights are computed on the whole

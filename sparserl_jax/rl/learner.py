@@ -34,7 +34,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from sparserl_jax.models.attention import with_attention_mesh
 from sparserl_jax.models.transformer import check_token_ids
-from sparserl_jax.parallel import batch_sharding, state_shardings
+from sparserl_jax.parallel import batch_sharding, batch_shards, state_shardings
 from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rl.correction import sparse_rl_weights
 from sparserl_jax.rl.gating import (
@@ -219,12 +219,6 @@ def train_step(
     return new_state, metrics
 
 
-def batch_shards(mesh: Mesh | None) -> int:
-    """How many shards a learner batch's rows are split over: data x fsdp (1 without a mesh).
-    A batch must hold a multiple of `num_micro_batches` x this many rows."""
-    return 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
-
-
 class Learner:
     """What is static about the learner (graph, config, optimizer, shardings, jitted step).
 
@@ -261,11 +255,10 @@ class Learner:
         self.gate = dynamic_gradient_gating(config.gating)
         self._steps: dict[tuple[bool, bool], Any] = {}
         if mesh is None:
-            self.param_shardings = self.state_shardings = self._batch_sharding = None
+            self.param_shardings = self.state_shardings = None
             self._rep = None
         else:
             self._rep = NamedSharding(mesh, PartitionSpec())
-            self._batch_sharding = batch_sharding
             self.param_shardings = nnx.to_pure_dict(state_shardings(param_state, mesh))
             abstract_opt = jax.eval_shape(self.tx.init, params)
             opt_shardings = optax.tree_map_params(
@@ -314,7 +307,7 @@ class Learner:
     def _shard_batch(self, x):
         if x is None or self.mesh is None:
             return x
-        return jax.device_put(x, self._batch_sharding(self.mesh, x.ndim))
+        return jax.device_put(x, batch_sharding(self.mesh, x.ndim))
 
     def logprobs(
         self, params, tokens_bt: Int[Array, "B T"], evict_pos_bykt=None
@@ -342,7 +335,7 @@ class Learner:
     def _compiled_step(self, batch: RLBatch, first_pass: bool = False):
         key = (tuple(x is None for x in batch), first_pass)
         if key not in self._steps:
-            micro = None if self.mesh is None else self._batch_sharding(self.mesh, 1)
+            micro = None if self.mesh is None else batch_sharding(self.mesh, 1)
             fn = functools.partial(
                 train_step,
                 graphdef=self.graphdef,
@@ -358,16 +351,21 @@ class Learner:
             if self.mesh is None:
                 self._steps[key] = jax.jit(fn, donate_argnums=0)
             else:
-                bs = functools.partial(self._batch_sharding, self.mesh)
-                batch_shardings = RLBatch(*(None if x is None else bs(x.ndim) for x in batch))
-                outs = (self.state_shardings, self._rep) + ((bs(2),) if first_pass else ())
+                outs = (self.state_shardings, self._rep)
+                outs += (batch_sharding(self.mesh, 2),) if first_pass else ()
                 self._steps[key] = jax.jit(
                     fn,
-                    in_shardings=(self.state_shardings, batch_shardings, self._rep, self._rep),
+                    in_shardings=(self.state_shardings, self._layout(batch), self._rep, self._rep),
                     out_shardings=outs,
                     donate_argnums=0,
                 )
         return self._steps[key]
+
+    def _layout(self, batch: RLBatch) -> RLBatch | None:
+        """The batch sharding of each of `batch`'s arrays (None without a mesh)."""
+        if self.mesh is None:
+            return None
+        return RLBatch(*(x if x is None else batch_sharding(self.mesh, x.ndim) for x in batch))
 
     def _prepare(self, batch: RLBatch) -> RLBatch:
         if self.config.loss.kl_coef > 0 and batch.ref_logp_bt is None:
@@ -422,7 +420,7 @@ class Learner:
     def train_on_batch(
         self, state: LearnerState, batch: RLBatch
     ) -> tuple[LearnerState, list[dict[str, np.ndarray]]]:
-        """Up to K passes of `num_mini_batches` updates (row slices) on one rollout batch, until
+        """Up to K passes of `num_mini_batches` updates (strided row slices) on one batch, until
         DGG fires (that update discarded) or a step is not finite. A missing pi_old comes from
         pass 1's forward (`first_pass`) or, where `first_pass_fallback` says why not, a recompute
         first; in bypass mode it is mu. Returns the per-update metrics (`pass_index`, ...)."""
@@ -431,7 +429,7 @@ class Learner:
             old = self.logprobs(state.params, batch.tokens_bt, batch.evict_pos_bykt)
             batch = batch._replace(old_logp_bt=old)
         n = self.config.num_mini_batches
-        minis, history, energy = mini_batches(batch, n), [], [np.inf] * n
+        minis, history, energy = mini_batches(batch, n, self._layout(batch)), [], [np.inf] * n
         for k, j in itertools.product(range(1, self.config.gating.max_passes + 1), range(n)):
             if k == 1 and first:  # one mini-batch: `first_pass_fallback` refuses several
                 state, metrics, old = self.first_pass(state, minis[j])

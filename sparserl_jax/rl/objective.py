@@ -37,6 +37,8 @@ gradient, so it sees the same statistic either way.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -46,7 +48,7 @@ from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rl.correction import SparseRLCorrection, correction_rows, sparse_rl_weights
 from sparserl_jax.rl.losses import LOG_RATIO_BOUND, aggregation_weights, kl_penalty
 from sparserl_jax.rl.policy_losses import compute_policy_loss
-from sparserl_jax.rollout.logprobs import head_logprobs
+from sparserl_jax.rollout.logprobs import head_logprobs, split_micro_batches
 
 # Per-step loss metrics, summed over micro-batches (`ratio_max`: a max).
 METRICS = ("loss", "pg_loss", "kl", "entropy", "clip_fraction", "approx_kl", "ratio_max")
@@ -235,16 +237,25 @@ def with_embedding(params: dict, embedding_vd) -> dict:
     return {**params, "embed": {**params["embed"], "embedding": embedding_vd}}
 
 
-def mini_batches(batch, n: int) -> list:
-    """`batch` (a NamedTuple of `[B, ...]` arrays or None) as `n` contiguous row slices, for
-    `num_mini_batches`: whole GRPO groups when a slice holds a multiple of the group size."""
+def mini_batches(batch, n: int, layout=None) -> list:
+    """`batch` (a NamedTuple of `[B, ...]` arrays or None) as `n` row slices for
+    `num_mini_batches`: mini-batch j = rows j, j + n, j + 2n, ... (`split_micro_batches`'
+    assignment), so a shard holding a contiguous block of rows holds an equal share of every
+    mini-batch and taking them moves no data; `layout` (the batch's shardings, a NamedTuple like
+    `batch`) pins each mini-batch to it. Every mini-batch holds samples of every GRPO group."""
     b = batch.tokens_bt.shape[0]
     if b % n:
         raise ValueError(f"batch size {b} must be a multiple of num_mini_batches ({n})")
-    r = b // n
-    return [
-        type(batch)(*(x if x is None else x[j * r : (j + 1) * r] for x in batch)) for j in range(n)
+    return [batch] if n == 1 else _strided_rows(batch, n, layout)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _strided_rows(batch, n: int, layout) -> list:
+    minis = [
+        type(batch)(*(x if x is None else split_micro_batches(x, n)[j] for x in batch))
+        for j in range(n)
     ]
+    return minis if layout is None else [jax.lax.with_sharding_constraint(m, layout) for m in minis]
 
 
 def first_pass_scales(

@@ -68,3 +68,25 @@ def test_fsdp_step_keeps_activations_row_sharded(tied):
     full = [f"[{b},{t},{f}]", f"[{b},{t - 1},{v}]", f"[{b},{t},{v}]"]
     assert [s for s in full if s in hlo] == []
     assert f"[1,{t},{f}]" in hlo  # each chip's own row of the MLP activations
+
+
+def test_mini_batches_stay_on_the_shards_that_hold_their_rows():
+    """`num_mini_batches`' strided rows (j, j + n, ...) of a batch whose rows are split in
+    contiguous blocks over data x fsdp: each shard already holds its share of every
+    mini-batch, so taking them compiles to no communication and keeps the batch layout."""
+    from sparserl_jax.rl.objective import _strided_rows, mini_batches
+
+    model = tiny_model(seed=0, num_layers=1)
+    mesh = make_mesh(MeshConfig(data=2, fsdp=2, tensor=2))
+    learner = Learner(model, config(num_micro_batches=1, num_mini_batches=2), mesh=mesh)
+    batch = learner._prepare(with_old(learner, learner.init(model), make_batch(seed=0)))
+    layout = learner._layout(batch)
+    minis = mini_batches(batch, 2, layout)
+    for j, mini in enumerate(minis):
+        for got, whole, want in zip(mini, batch, layout, strict=True):
+            if whole is not None:
+                assert got.sharding.is_equivalent_to(want, got.ndim)
+                np.testing.assert_array_equal(np.asarray(got), np.asarray(whole)[j::2])
+    hlo = _strided_rows.lower(batch, 2, layout).compile().as_text()
+    for collective in ("all-gather", "all-to-all", "collective-permute", "all-reduce"):
+        assert collective not in hlo, collective

@@ -51,6 +51,7 @@ __all__ = [
     "run_study",
     "signature_failures",
     "steps_to_target",
+    "bootstrap_diff",
     "bootstrap_ratio",
     "summarise",
     "plot_study",
@@ -496,6 +497,21 @@ def bootstrap_ratio(
     return out
 
 
+def bootstrap_diff(
+    pairs: Sequence[tuple[float, float]], *, samples: int = BOOTSTRAP_SAMPLES, seed: int = 0
+) -> dict[str, float | int | None]:
+    """mean(a - b) over pairs (one per seed) with a 95% percentile bootstrap interval over the
+    pairs; `lo`/`hi` None with fewer than two pairs, `diff` None with none."""
+    d = np.asarray([a - b for a, b in pairs], np.float64)
+    out: dict[str, float | int | None] = {"diff": None, "lo": None, "hi": None, "n": len(d)}
+    if len(d):
+        out["diff"] = float(d.mean())
+    if len(d) >= 2:
+        means = d[np.random.default_rng(seed).integers(0, len(d), (samples, len(d)))].mean(axis=1)
+        out["lo"], out["hi"] = (float(q) for q in np.percentile(means, [2.5, 97.5]))
+    return out
+
+
 def steps_to_target(curve: Sequence[float], target: float, window: int = TARGET_WINDOW):
     """The first step (1-based) at which the mean of the last `window` values of `curve` (fewer
     at the start) reaches `target`; None if it never does."""
@@ -617,6 +633,16 @@ def _targets(raw: dict, cells: list[dict]) -> list[dict]:
             row["naive_minus_corrected"] = _diff(naive, corr)
             row["naive_below_or_collapsed"] = bool(
                 naive["collapsed"] or (row["naive_minus_corrected"] or 0) < 0
+            )
+            # "Measurably below": the seed-paired difference's interval excludes 0, on the
+            # dense-decoded sampled reward and on the large held-out set's greedy one.
+            runs = {a: [r for r in raw["runs"] if r["arm"] == a and r["budget"] == b] for a in ARMS}
+            for key in ("dense_sampled_final", "heldout_dense_greedy"):
+                ci = bootstrap_diff(_paired(runs["naive"], runs["corrected"], key))
+                row[f"naive_minus_corrected_{key}"] = ci
+            row["naive_measurably_below"] = any(
+                (row[f"naive_minus_corrected_{k}"]["hi"] or 0) < 0
+                for k in ("dense_sampled_final", "heldout_dense_greedy")
             )
         out.append(row)
     return out

@@ -183,6 +183,22 @@ def test_ratio_to_dense_with_a_bootstrap_interval_over_seeds():
     assert bootstrap_ratio([])["ratio"] is None and bootstrap_ratio([(0.1, 0.0)])["ratio"] is None
 
 
+def test_difference_with_a_bootstrap_interval_over_seeds():
+    from benchmarks.repro_sparse_rl import bootstrap_diff
+
+    lower = bootstrap_diff([(0.4, 0.5), (0.5, 0.7), (0.3, 0.6)])  # below on every seed
+    assert lower["diff"] == pytest.approx(-0.2) and lower["hi"] < 0 and lower["n"] == 3
+    mixed = bootstrap_diff([(0.4, 0.5), (0.7, 0.5), (0.5, 0.5)])  # one seed each way
+    assert mixed["lo"] < 0 < mixed["hi"]
+    assert bootstrap_diff([(0.4, 0.5)]) == {
+        "diff": pytest.approx(-0.1),
+        "lo": None,
+        "hi": None,
+        "n": 1,
+    }
+    assert bootstrap_diff([])["diff"] is None
+
+
 def test_steps_to_target_uses_the_trailing_mean():
     from benchmarks.repro_sparse_rl import steps_to_target
 
@@ -213,9 +229,15 @@ def test_summary_pairs_arms_with_dense_by_seed():
         "budgets": [8],
         "rollout_length": 32,
         "runs": [run("dense", s, f, up) for s, f in ((0, 0.8), (1, 0.6), (2, 0.7))]
-        + [run("corrected", s, f, slow, 8) for s, f in ((0, 0.72), (1, 0.54), (2, 0.63))],
+        + [run("corrected", s, f, slow, 8) for s, f in ((0, 0.72), (1, 0.54), (2, 0.63))]
+        + [run("naive", s, f, slow, 8) for s, f in ((0, 0.70), (1, 0.50), (2, 0.60))],
     }
     out = summarise(raw)
+    [target] = out["targets"]
+    gap = target["naive_minus_corrected_dense_sampled_final"]
+    assert gap["diff"] == pytest.approx(-0.03) and gap["hi"] < 0 and gap["n"] == 3
+    assert target["naive_measurably_below"]
+    assert target["naive_minus_corrected_heldout_dense_greedy"]["diff"] is None  # not decoded
     assert out["target_reward"] == pytest.approx(TARGET_FRACTION * 1.0)
     cells = {c["arm"]: c for c in out["cells"]}
     ci = cells["corrected"]["dense_greedy_vs_dense_ci"]

@@ -234,9 +234,7 @@ def _start(cfg: Config, log_fn, guard: PreemptionGuard) -> _Run:
     limit = PromptLimit(tokenizer, rcfg.max_prompt_len)
     prompts, _ = prompt_dataset(cfg.data, limit=limit)
     try_reward_fn(cfg.data, prompts)
-    held_out = (
-        eval_examples(cfg.data, tcfg.eval_examples, limit=limit) if tcfg.eval_examples else []
-    )
+    held_out = eval_examples(cfg.data, tcfg.eval_examples, limit=limit)
     trainer_mesh, sampler_mesh = make_meshes(cfg.mesh, tcfg, jax.devices())
     model = build_model(cfg.model, trainer_mesh)
     learner = Learner(model, cfg.learner, mesh=trainer_mesh)
@@ -357,12 +355,13 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
     tcfg = run.cfg.train
     # Idempotent outputs: rows a killed run wrote after its last checkpoint are re-run, so they
     # are dropped; the "before" evaluation is written only if that step has no row yet.
-    write_before, evaluated = True, False  # `evaluated`: a row holds this step's evaluation
+    write_before, recorded = True, {}  # this step's evaluation held by a row: not decoded again
     if run.resumed:
         kept = truncate_metrics(run.cfg.run_dir, run.start_step)
         at_start = [r for r in kept if r.get("step") == run.start_step]
         write_before = not at_start
-        evaluated = any("val/greedy_reward_mean" in r for r in at_start)
+        recorded = {k: v for r in at_start for k, v in r.items() if k.startswith("val/")}
+    evaluated = "val/greedy_reward_mean" in recorded
     writer = MetricsWriter(run.cfg.run_dir, tensorboard=tcfg.tensorboard)
     held_out = run.held_out
     held_prompts = encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
@@ -379,7 +378,9 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
     rewards_seen: list[float] = []
     bar, done = None, False
     try:
-        val = before = evaluate(step, "eval-before", "before")
+        val = before = recorded if evaluated else evaluate(step, "eval-before", "before")
+        if evaluated:
+            record_evaluation(summary, val, step, "before", log_fn)
         # A row whose evaluation a signal stopped is completed by this one (the same weights).
         if write_before and (val or run.pending_row):
             row = writer.write(step, {**(run.pending_row or {}), **val})

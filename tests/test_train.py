@@ -358,3 +358,22 @@ def test_greedy_only_evaluation_keeps_the_greedy_figures(tmp_path):
     assert "val_reward_before" not in summary
     assert summary["val_greedy_reward_before"] == want["val/greedy_reward_mean"]
     assert any("held-out reward greedy" in m for m in logs), logs
+
+
+def test_a_resumed_run_does_not_decode_an_evaluation_on_record(tmp_path, monkeypatch):
+    """Resumed at a step whose row holds the held-out evaluation (here the first run's "after"
+    one), the run takes it from the row (same weights, same seeds) instead of decoding the
+    held-out set again: one decode (after step 3), and the same "before" figures."""
+    from sparserl_jax.sampler import Sampler
+
+    base = [f"run_dir={tmp_path}", "train.eval_examples=2", "data.batch_size=4"]
+    train(load_config(TINY, [*base, "train.steps=2"]), log_fn=lambda m: None)
+    at_2 = [r for r in read_metrics(tmp_path) if r["step"] == 2 and "val/reward_mean" in r]
+    calls = []
+    real = Sampler.evaluate
+    monkeypatch.setattr(Sampler, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    summary = train(load_config(TINY, [*base, "train.steps=3"]), log_fn=lambda m: None)
+    assert len(calls) == 1 and summary["end_step"] == 3
+    assert summary["val_greedy_reward_before"] == at_2[0]["val/greedy_reward_mean"]
+    assert summary["val_reward_before"] == at_2[0]["val/reward_mean"]
+    assert [r["step"] for r in read_metrics(tmp_path) if "val/reward_mean" in r] == [0, 2, 3]

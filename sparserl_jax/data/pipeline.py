@@ -226,6 +226,8 @@ def eval_examples(
     """The first `num` (all when None) examples of the eval split, unshuffled: a fixed held-out
     set for before/after reward numbers. With `limit`, longer prompts are passed over (or
     refused, `data.long_prompts`); only the rows up to the `num`-th that fits are read."""
+    if num == 0:  # no held-out set: the eval split is not read
+        return []
     ds, _ = example_source(cfg, split="eval")
     n = len(ds) if num is None else min(num, len(ds))
     if limit is None:

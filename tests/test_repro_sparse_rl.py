@@ -7,8 +7,10 @@ import shutil
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from sparserl_jax.config import load_config
 from sparserl_jax.metrics import read_metrics
@@ -32,7 +34,15 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "study"
-    result = repro_sparse_rl.main(["--quick", "--out", str(out), "--heldout", "6"])
+    # The tool turns JAX's persistent compilation cache on (the arms share programs): off again
+    # after it (the cache is set up once per process), or every later test in this process
+    # reads and writes that directory.
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        result = repro_sparse_rl.main(["--quick", "--out", str(out), "--heldout", "6"])
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(result))
     assert result["budgets"] == [8] and result["rollout_length"] == 32

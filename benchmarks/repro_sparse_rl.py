@@ -147,14 +147,19 @@ def _as_saved(cfg: Config) -> dict:
     return json.loads(json.dumps(to_dict(cfg)))
 
 
-def _same_config(saved: dict, cfg: Config) -> bool:
-    """Whether a saved config is `cfg`, keys added to the code since it was saved read at
-    their defaults (a study resumed with a newer checkout keeps its runs); False when it no
-    longer loads (a key since removed)."""
+def _normalised(saved: dict) -> dict | None:
+    """A saved config re-read as the code reads it now (keys added since at their defaults,
+    so a study resumed with a newer checkout keeps its runs); None when it no longer loads (a
+    key since removed)."""
     try:
-        return _as_saved(from_dict(Config, saved)) == _as_saved(cfg)
+        return _as_saved(from_dict(Config, saved))
     except ConfigError:
-        return False
+        return None
+
+
+def _same_config(saved: dict, cfg: Config) -> bool:
+    """Whether a saved config is `cfg` (`_normalised`)."""
+    return _normalised(saved) == _as_saved(cfg)
 
 
 def _done(cfg: Config) -> dict | None:
@@ -185,11 +190,8 @@ def _sft_done(cfg: Config) -> bool:
     done = Path(cfg.run_dir) / "done.json"
     if not done.exists():
         return False
-    try:
-        saved = _as_saved(from_dict(Config, json.loads(done.read_text())["config"]))
-    except ConfigError:
-        return False
-    return _sft_view(saved) == _sft_view(_as_saved(cfg))
+    saved = _normalised(json.loads(done.read_text())["config"])
+    return saved is not None and _sft_view(saved) == _sft_view(_as_saved(cfg))
 
 
 def _train(cfg: Config, log: Callable[[str], None]) -> dict:
@@ -456,21 +458,22 @@ def _heldout(
 ) -> dict[str, float | int]:
     """A run's final weights (checkpoint `step`) on the study's large held-out set, one greedy
     completion per prompt (`train.eval_sampled=false`), decoded with the full cache
-    (`heldout_dense_greedy`) and with the config's sparse cache at each of `budgets`
-    (`heldout_greedy_b<B>`): every arm decoded the same way, whatever cache it trained with."""
+    (`heldout_dense_greedy`, once, with the first budget) and with the config's sparse cache at
+    each of `budgets` (`heldout_greedy_b<B>`): every arm decoded the same way, whatever cache it
+    trained with."""
     out: dict[str, float | int] = {"heldout_prompts": study.heldout}
-    for b in budgets:
+    for i, b in enumerate(budgets):
         cfg = study.cfg(
             f"run_dir={run.parent / f'{run.name}_heldout{study.heldout}_b{b}'}",
             f"train.steps={step}",
             f"train.eval_examples={study.heldout}",
             "train.eval_sampled=false",
-            "train.eval_dense=true",
+            f"train.eval_dense={str(i == 0).lower()}",
             f"rollout.kv.budget={b}",
         )
         _run(cfg, run, step, log)
         row = read_metrics(cfg.run_dir)[0]
-        out["heldout_dense_greedy"] = row["val/dense_greedy_reward_mean"]
+        out.setdefault("heldout_dense_greedy", row.get("val/dense_greedy_reward_mean"))
         out[f"heldout_greedy_b{b}"] = row["val/greedy_reward_mean"]
     return out
 
@@ -636,9 +639,12 @@ def _targets(raw: dict, cells: list[dict]) -> list[dict]:
             )
             # "Measurably below": the seed-paired difference's interval excludes 0, on the
             # dense-decoded sampled reward and on the large held-out set's greedy one.
-            runs = {a: [r for r in raw["runs"] if r["arm"] == a and r["budget"] == b] for a in ARMS}
+            naive_runs, corr_runs = (
+                [r for r in raw["runs"] if r["arm"] == a and r["budget"] == b]
+                for a in ("naive", "corrected")
+            )
             for key in ("dense_sampled_final", "heldout_dense_greedy"):
-                ci = bootstrap_diff(_paired(runs["naive"], runs["corrected"], key))
+                ci = bootstrap_diff(_paired(naive_runs, corr_runs, key))
                 row[f"naive_minus_corrected_{key}"] = ci
             row["naive_measurably_below"] = any(
                 (row[f"naive_minus_corrected_{k}"]["hi"] or 0) < 0

@@ -233,8 +233,10 @@ def learner_inputs(
         )
     else:
         state = _place(state, learner.state_shardings)
-        bs = functools.partial(learner._batch_sharding, mesh)
-        rl_batch = RLBatch(*(None if x is None else _struct(x, bs(len(x.shape))) for x in rl_batch))
+        layout = learner._layout(rl_batch)
+        rl_batch = RLBatch(
+            *(x if x is None else _struct(x, s) for x, s in zip(rl_batch, layout, strict=True))
+        )
         pass_index = _struct(pass_index, NamedSharding(mesh, PartitionSpec()))
         rows_energy = _struct(rows_energy, NamedSharding(mesh, PartitionSpec()))
     return learner, state, rl_batch, pass_index, rows_energy

@@ -110,6 +110,9 @@ class CheckpointManager:
         stored = self._read_digests(step)
         if stored is not None:
             check_structure(stored["arrays"], abstract, step)
+        # Before the reads start, not after one fails: the other reads' echoes can reach the
+        # closed loop before the failure reaches us (seen on a loaded machine).
+        _quiet_abandoned_reads()
         try:
             out = self._mngr.restore(
                 step,
@@ -118,7 +121,6 @@ class CheckpointManager:
                 ),
             )
         except Exception as e:  # noqa: BLE001 (Orbax/TensorStore raise many kinds)
-            _quiet_abandoned_reads()
             raise CheckpointError(f"checkpoint step {step}: {_one_line(e)}") from e
         state, meta = out["state"], out["meta"]
         if stored is None:

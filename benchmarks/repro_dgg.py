@@ -178,9 +178,18 @@ def gate_diagnostics(rows: list[dict], tau: float) -> dict:
 # Gate rules replayed on a fixed-reuse run's per-pass log (`replay_gates`). The statistic x of
 # pass k (k > 1) is compared with a window of earlier x: "pooled" is the gate as built (the
 # increment dg against every earlier increment, pass 1's included); "pooled_rising" also needs
-# dg > 0 (a real surge); the "per_pass" rules compare pass k only with earlier batches' pass k
-# (of dg, of the energy g, or of g relative to the batch's pass-1 energy).
-REPLAY_RULES = ("pooled", "pooled_rising", "per_pass_dg", "per_pass_g", "per_pass_ratio")
+# dg > 0 (a real surge); "pooled_later" keeps pass 1's steps out of the window (the window
+# holds only the increments of later passes, of every earlier batch); the "per_pass" rules
+# compare pass k only with earlier batches' pass k (of dg, of the energy g, or of g relative to
+# the batch's pass-1 energy).
+REPLAY_RULES = (
+    "pooled",
+    "pooled_rising",
+    "pooled_later",
+    "per_pass_dg",
+    "per_pass_g",
+    "per_pass_ratio",
+)
 
 
 def pass_energies(rows: list[dict]) -> tuple[np.ndarray, int]:
@@ -218,6 +227,7 @@ def replay_gates(rows: list[dict], *, tau: float, window: int, eps: float = 1e-8
     x_of = {
         "pooled": dg,
         "pooled_rising": dg,
+        "pooled_later": dg,
         "per_pass_dg": dg,
         "per_pass_g": g,
         "per_pass_ratio": g / g[:, :1],
@@ -236,7 +246,7 @@ def replay_gates(rows: list[dict], *, tau: float, window: int, eps: float = 1e-8
                     z = (x[b, u] - w.mean()) / (w.std() + eps)
                     if z > tau and (rule != "pooled_rising" or x[b, u] > 0):
                         fired.append(b + 1)
-                if np.isfinite(x[b, u]):
+                if np.isfinite(x[b, u]) and (rule != "pooled_later" or u >= m):
                     win.append(x[b, u])
         out[rule] = {
             "fires": len(fired),

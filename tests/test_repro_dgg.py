@@ -135,6 +135,10 @@ def test_replay_rebuilds_energies_and_finds_a_surge():
     # The increment +1.5 tops every earlier one, pass-1 jumps included.
     assert replay["pooled"]["first_fire_batch"] == 11
     assert replay["pooled_rising"]["fires"] == 1
+    # Without pass-1 jumps in the window, pass 4's smaller drop (-0.125) already stands out
+    # against the window of later drops (-0.5, -0.25, -0.125): fires at the first step armed,
+    # batch 3's pass 4 (the window's 8 values: batches 1-2 and batch 3's passes 2-3).
+    assert replay["pooled_later"]["first_fire_batch"] == 3
     assert replay["per_pass_g"]["first_fire_batch"] == 11
     assert replay["g_last_over_first"]["first_half"] < 0.13
 

@@ -96,6 +96,7 @@ _SIGNATURE_STEP_KEYS = (
     "mismatch_kl",
     "rho_p5",
     "peak_kv_bytes",
+    "peak_kv_tokens",
     "masked_token_fraction",
     "rejected_seq_fraction",
 )
@@ -284,6 +285,11 @@ def run_record(rows: list[dict], cfg: Config, prompt_tokens: float) -> dict[str,
             final.get("val/reward_mean") if not cfg.rollout.sparse else None,
         ),
         "peak_kv_bytes": int(max(r["rollout/kv_peak_bytes"] for r in steps)) if steps else None,
+        # The paper's count: tokens kept at once (logged since 2026-11-28; None before).
+        "peak_kv_tokens": max(
+            (r["rollout/kv_peak_tokens"] for r in steps if "rollout/kv_peak_tokens" in r),
+            default=None,
+        ),
         "evicted_fraction": float(np.mean(evicted)) if evicted else None,
         "masked_token_fraction": mean("correction/masked_token_fraction"),
         "rejected_seq_fraction": mean("correction/rejected_seq_fraction"),
@@ -548,7 +554,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
     target = TARGET_FRACTION * float(np.mean(dense_last)) if dense_last else None
     dense_final = _stat([r["dense_greedy_final"] for r in dense])
     dense_sampled = _stat([r["dense_sampled_final"] for r in dense])
-    dense_kv = _stat([r["peak_kv_bytes"] for r in dense])
+    dense_kv = {k: _stat([r.get(k) for r in dense]) for k in ("peak_kv_bytes", "peak_kv_tokens")}
     cells = []
     for b in raw["budgets"]:
         for arm in dict.fromkeys(r["arm"] for r in runs):
@@ -564,6 +570,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 "train_reward_first3",
                 "train_reward_last3",
                 "peak_kv_bytes",
+                "peak_kv_tokens",
                 "evicted_fraction",
                 "masked_token_fraction",
                 "rejected_seq_fraction",
@@ -571,7 +578,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 "rho_p5",
                 "kv_budget_mean",
             ):
-                cell[key] = _stat([r[key] for r in group])
+                cell[key] = _stat([r.get(key) for r in group])
             if arm == "dense":
                 cell["greedy_final"] = _stat([r["sparse_decoded"][b]["greedy"] for r in group])
                 cell["sampled_final"] = _stat([r["sparse_decoded"][b]["sampled"] for r in group])
@@ -593,8 +600,9 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 reached = [steps_to_target(r["train_reward"], target) for r in group]
                 cell["steps_to_target"] = _stat(reached)
                 cell["reached_target"] = sum(x is not None for x in reached)
-            if dense_kv["mean"] and cell["peak_kv_bytes"]["mean"] is not None:
-                cell["peak_kv_vs_dense"] = cell["peak_kv_bytes"]["mean"] / dense_kv["mean"]
+            for key, name in (("peak_kv_bytes", "peak_kv"), ("peak_kv_tokens", "peak_kv_tokens")):
+                if dense_kv[key]["mean"] and cell[key]["mean"] is not None:
+                    cell[f"{name}_vs_dense"] = cell[key]["mean"] / dense_kv[key]["mean"]
             cells.append(cell)
     return {"cells": cells, "targets": _targets(raw, cells), "target_reward": target}
 
@@ -630,6 +638,7 @@ def _targets(raw: dict, cells: list[dict]) -> list[dict]:
             and (greedy or 0) >= 0.97,
             "half_evicted": (corr["evicted_fraction"]["mean"] or 0) >= 0.5,
             "peak_kv_vs_dense": corr.get("peak_kv_vs_dense"),
+            "peak_kv_tokens_vs_dense": corr.get("peak_kv_tokens_vs_dense"),
             "peak_kv_le_30pct": (corr.get("peak_kv_vs_dense") or math.inf) <= 0.30,
         }
         if naive is not None:

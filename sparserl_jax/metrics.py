@@ -169,6 +169,7 @@ def step_metrics(
         **learner_metrics(history),
         "rollout/tokens_evicted": int(rollout.tokens_evicted.sum()),
         "rollout/kv_peak_bytes": int(rollout.stats.get("kv_peak_bytes", 0)),
+        "rollout/kv_peak_tokens": int(rollout.stats.get("kv_peak_tokens", 0)),
         "rollout/weight_version": int(rollout.weight_version.max()),
         "sync/version": int(published.version),
         "sync/changed": int(published.total_changed),

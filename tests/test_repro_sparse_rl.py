@@ -55,6 +55,7 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
     assert cells["replay"]["mismatch_kl"]["mean"] < 1e-9 < cells["corrected"]["mismatch_kl"]["mean"]
     assert cells["dense"]["peak_kv_vs_dense"] == pytest.approx(1.0)
     assert cells["corrected"]["peak_kv_bytes"]["mean"] < cells["dense"]["peak_kv_bytes"]["mean"]
+    assert 0 < cells["corrected"]["peak_kv_tokens_vs_dense"] < 1  # the paper's count, in tokens
     assert cells["corrected"]["evicted_fraction"]["mean"] > 0
     assert result["targets"] and result["targets"][0]["budget"] == 8
     ci = cells["corrected"]["dense_greedy_vs_dense_ci"]

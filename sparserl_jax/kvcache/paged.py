@@ -70,6 +70,7 @@ class PagedKVCache:
     free_top: jax.Array  # int32 []
     steps: jax.Array  # int32 []: decode calls so far (one per `end_step`), batch-level
     peak_pages: jax.Array  # int32 []: most pages ever in use at once
+    peak_tokens: jax.Array  # int32 []: most tokens ever kept at once (all slots; pages' fill)
     q_window: jax.Array | None  # [layers, B, w, N * H] (lane-dense like the pools) or None
     attn_mass: jax.Array | None  # fp32 [layers, P, L, K] or None
     evict_pos: jax.Array | None = None  # int32 [Y', B, K', T] (`kvcache.evictions`) or None
@@ -136,6 +137,7 @@ class PagedKVCache:
             free_top=top,
             steps=jnp.int32(0),
             peak_pages=jnp.int32(0),
+            peak_tokens=jnp.int32(0),
             q_window=q_window,
             attn_mass=attn_mass,
             evict_pos=None if evict_record is None else evictions.empty_record(evict_record, batch),
@@ -234,15 +236,18 @@ class PagedKVCache:
             max_new=cdiv(t, self.page_size) + 1,
         )
         positions_bt = self.next_pos_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+        # A slot that found no room stores nothing this step (flagged, never corrupted).
+        new_counts_b = jnp.where(ok_b & ~self.overflow_b, new_b, 0)
+        kept = jnp.sum(self.lengths_b + new_counts_b)
         cache = dataclasses.replace(
             self,
             page_table=page_table,
             num_pages_b=num_pages_b,
             free_top=top,
-            # A slot that found no room stores nothing this step (flagged, never corrupted).
-            new_counts_b=jnp.where(ok_b & ~self.overflow_b, new_b, 0),
+            new_counts_b=new_counts_b,
             overflow_b=self.overflow_b | ~ok_b,
             peak_pages=jnp.maximum(self.peak_pages, self.num_pages - top),
+            peak_tokens=jnp.maximum(self.peak_tokens, kept),
         )
         return cache, positions_bt
 

@@ -156,9 +156,10 @@ class RolloutResult:
     holds their `log softmax(logits / T)` (0 elsewhere). `tokens_evicted` counts the KV entries
     the compression dropped while it was generated; `weight_version` the weights it sampled with.
     `stats`: generated_tokens, seconds, tokens_per_s, kv_peak_bytes (peak pages in use x bytes
-    per page), chunks. `evict_pos` (with `RolloutConfig.record_evictions`, else None): int32
-    `[R, Y', K', T]`, the first position that no longer saw each position's key
-    (`kvcache.evictions`), T = max_prompt_len + max_new. `first_evicted` (a compressed cache,
+    per page), kv_peak_tokens (peak tokens kept, all slots: the paper's count), chunks.
+    `evict_pos` (with `RolloutConfig.record_evictions`, else None): int32 `[R, Y', K', T]`, the
+    first position that no longer saw each position's key (`kvcache.evictions`), T =
+    max_prompt_len + max_new. `first_evicted` (a compressed cache,
     else None): int32 `[R]`, the index of the first completion token sampled from logits that
     an eviction had already affected (`NEVER` = int32 max when nothing was evicted in time).
     `token_version` (int32 `[R, max_new]`, 0 after the completion; None from older blobs): the
@@ -196,7 +197,7 @@ class RolloutResult:
     def concat(cls, parts: list[RolloutResult]) -> RolloutResult:
         """The parts' requests in order, as one rollout (the inverse of `rows`): a batch
         assembled from work items rolled out apart. `stats` add up (`seconds` is the longest
-        part's, `kv_peak_bytes` the largest, `tokens_per_s` from those)."""
+        part's, `kv_peak_bytes` and `kv_peak_tokens` the largest, `tokens_per_s` from those)."""
         out = {}
         for f in dataclasses.fields(cls):
             vals = [getattr(p, f.name) for p in parts]
@@ -211,6 +212,7 @@ class RolloutResult:
             "seconds": seconds,
             "tokens_per_s": generated / seconds if seconds > 0 else float("nan"),
             "kv_peak_bytes": max(int(p.stats.get("kv_peak_bytes", 0)) for p in parts),
+            "kv_peak_tokens": max(int(p.stats.get("kv_peak_tokens", 0)) for p in parts),
             "chunks": max(int(p.stats.get("chunks", 0)) for p in parts),
         }
         return cls(**out, stats=stats)

@@ -425,8 +425,7 @@ class RolloutEngine:
                     slot_req[slot] = -1
         seconds = time.perf_counter() - start
         mask = np.arange(cfg.max_new_tokens)[None, :] < lens[:, None]
-        peak = int(np.sum(jax.device_get(cache.peak_pages))) * self._page_bytes
-        generated = int(lens.sum())
+        peak_pages, peak_tokens = (int(np.sum(x)) for x in (cache.peak_pages, cache.peak_tokens))
         return RolloutResult(
             prompt_ids=[list(map(int, prompts[r // n])) for r in range(num_req)],
             completion_ids=out_tok,
@@ -441,10 +440,11 @@ class RolloutEngine:
             first_evicted=first_evicted if cfg.sparse else None,
             token_version=out_ver,  # written up to each completion's length only: 0 after
             stats={
-                "generated_tokens": generated,
+                "generated_tokens": (generated := int(lens.sum())),
                 "seconds": seconds,
                 "tokens_per_s": generated / seconds if seconds > 0 else float("nan"),
-                "kv_peak_bytes": peak,
+                "kv_peak_bytes": peak_pages * self._page_bytes,
+                "kv_peak_tokens": peak_tokens,
                 "chunks": chunks,
             },
         )

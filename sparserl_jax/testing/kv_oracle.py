@@ -26,6 +26,7 @@ class GenerationStats:
     """What a generation used: the peak of pages in use (not the pool's capacity)."""
 
     peak_pages: int
+    peak_tokens: int
     page_bytes: int
     pool_pages: int
     tokens_evicted: int
@@ -85,6 +86,7 @@ def greedy_generate(
     check_overflow(cache)
     stats = GenerationStats(
         peak_pages=int(cache.peak_pages),
+        peak_tokens=int(cache.peak_tokens),
         page_bytes=cache.page_bytes,
         pool_pages=cache.num_pages,
         tokens_evicted=int(jnp.sum(cache.evicted_b)),

@@ -48,6 +48,9 @@ def test_result_layout_and_stop_tokens(sampled):
             assert k == MAX_NEW and stops.size == 0
     assert res.stats["generated_tokens"] == res.completion_lens.sum()
     assert res.stats["kv_peak_bytes"] > 0
+    # Dense, 2 slots: each keeps its prompt and every token fed back (the last one never is).
+    longest = (res.prompt_lens + res.completion_lens - 1).max()
+    assert res.prompt_lens.max() < res.stats["kv_peak_tokens"] <= 2 * longest
 
 
 def test_per_prompt_seeds_follow_the_prompt(sampled):

@@ -47,6 +47,8 @@ def test_sparse_greedy_equals_reference_loop(policy):
     # The reference keeps decoding the last token, so it may evict once more.
     assert res.tokens_evicted.sum() <= stats.tokens_evicted
     assert res.stats["kv_peak_bytes"] <= cfg.pool_pages * stats.page_bytes
+    # Tokens kept at the peak, all slots: budget + one interval of new tokens before compaction.
+    assert res.stats["kv_peak_tokens"] == stats.peak_tokens == len(PROMPTS) * (12 + 4)
 
 
 @pytest.mark.slow

@@ -257,3 +257,12 @@ def test_summary_pairs_arms_with_dense_by_seed():
     assert cells["dense"]["steps_to_target"]["mean"] == 6
     assert cells["corrected"]["reached_target"] == 0
     assert cells["dense"]["reached_target"] == 3
+
+
+def test_gold_logprob_parts_split_the_scratchpad_in_thirds_and_the_answer():
+    from gold_logprob import parts
+
+    completion = "1: 7\n2: 14\n3: 21\nanswer: 21"
+    got = parts(completion)
+    assert len(got) == len(completion) + 1  # one per character, then the eos
+    assert got == ["a"] * 5 + ["b"] * 6 + ["c"] * 6 + ["answer"] * 11  # + "answer: 21", eos

@@ -70,6 +70,10 @@ ARMS: dict[str, tuple[str, ...]] = {
     ),
     "corrected": (),
     "tis": ("learner.correction.veto=false", "learner.correction.reject=false"),
+    # Corrected without its token rejection (veto and reweighting kept): does masking the
+    # tokens where the sparse sampler went wrong, while the rest of a failed sequence keeps its
+    # negative advantage, push the right steps down? (docs/reproductions.md, fourth regime)
+    "no_token_reject": ("learner.correction.reject=false",),
     "adaptive": ("rollout.kv.adaptive.enabled=true",),
     "replay": ("rollout.record_evictions=true", "learner.attention_mask=replay"),
 }

@@ -100,6 +100,9 @@ def run_arm(
     (run_dir / "stderr.log").write_text(proc.stderr)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    # `sparserl train` stopped by a signal exits 0 with its checkpoint saved: not finished.
+    if json.loads(proc.stdout.strip().splitlines()[-1]).get("stopped_by_signal"):
+        raise RuntimeError(f"{run_dir} was stopped by a signal; run the same command again")
     if "resumed from" not in proc.stderr:
         raise RuntimeError(f"{run_dir} did not start from the shared checkpoint:\n{proc.stderr}")
     done.write_text(json.dumps(overrides))

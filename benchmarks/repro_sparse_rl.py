@@ -46,6 +46,7 @@ from sparserl_jax.metrics import read_metrics
 
 __all__ = [
     "ARMS",
+    "RunStopped",
     "SIGNATURE",
     "Study",
     "run_study",
@@ -173,7 +174,8 @@ def _done(cfg: Config) -> dict | None:
     done = Path(cfg.run_dir) / "done.json"
     if done.exists():
         saved = json.loads(done.read_text())
-        if _same_config(saved["config"], cfg):
+        # A run a signal stopped is not done (such a done.json was written before 2026-11-28).
+        if _same_config(saved["config"], cfg) and not saved["summary"].get("stopped_by_signal"):
             return saved["summary"]
     return None
 
@@ -199,11 +201,21 @@ def _sft_done(cfg: Config) -> bool:
     return saved is not None and _sft_view(saved) == _sft_view(_as_saved(cfg))
 
 
+class RunStopped(RuntimeError):
+    """A signal (Ctrl-C, SIGTERM) stopped a run of the study at a safe point, its checkpoint
+    saved: the study stops there, and the same command resumes that run."""
+
+
 def _train(cfg: Config, log: Callable[[str], None]) -> dict:
     from sparserl_jax.train import train
 
     run_dir = Path(cfg.run_dir)
     summary = train(cfg, log_fn=lambda m: log(f"  [{run_dir.name}] {m}"))
+    if summary.get("stopped_by_signal"):
+        raise RunStopped(
+            f"{run_dir.name} stopped by {summary['signal']} during {summary['stopped_during']}; "
+            "the same command resumes it"
+        )
     (run_dir / "done.json").write_text(json.dumps({"config": to_dict(cfg), "summary": summary}))
     return summary
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from jax.experimental.compilation_cache import compilation_cache
 
+from sparserl_jax.checkpoint import TEST_SIGNAL_ENV
 from sparserl_jax.config import load_config
 from sparserl_jax.metrics import read_metrics
 from sparserl_jax.train import train
@@ -176,6 +177,19 @@ def test_a_run_cut_off_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert _numbers(read_metrics(cfg.run_dir)) == whole
     study._run(cfg, tmp_path / "sft", 0, logs.append)
     assert "done before: kept" in logs[-1]
+    # A signal stops it at a safe point: the study stops (one exception, no done.json, so the
+    # run is not taken as finished), and the same call resumes it to the same end.
+    (Path(cfg.run_dir) / "done.json").unlink()
+    for s in (2, 3):
+        shutil.rmtree(Path(cfg.run_dir) / "checkpoints" / str(s))
+    monkeypatch.setenv(TEST_SIGNAL_ENV, "update:3")
+    with pytest.raises(study.RunStopped, match="stopped by SIGTERM during the update of step 3"):
+        study._run(cfg, tmp_path / "sft", 0, logs.append)
+    assert not (Path(cfg.run_dir) / "done.json").exists()
+    monkeypatch.delenv(TEST_SIGNAL_ENV)
+    study._run(cfg, tmp_path / "sft", 0, logs.append)
+    assert "cut off before: resumes from its checkpoint 3" in logs[-2]  # the step ended first
+    assert _numbers(read_metrics(cfg.run_dir)) == whole
 
 
 def test_ratio_to_dense_with_a_bootstrap_interval_over_seeds():

@@ -37,7 +37,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.repro_sparse_rl import ARMS, Study, plot_study, run_study, summarise  # noqa: E402
+from benchmarks.repro_sparse_rl import (  # noqa: E402
+    ARMS,
+    RunStopped,
+    Study,
+    plot_study,
+    run_study,
+    summarise,
+)
 
 QUICK = (
     "sft.steps=2",
@@ -108,7 +115,11 @@ def main(argv: list[str] | None = None) -> dict:
             check_signature=not args.no_signature_check,
             heldout=args.heldout,
         )
-    raw = run_study(study, log=lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        raw = run_study(study, log=lambda m: print(m, file=sys.stderr, flush=True))
+    except RunStopped as e:  # one line; exit status 130, as a shell reports an interrupt
+        print(f"repro_sparse_rl: {e}", file=sys.stderr)
+        raise SystemExit(130) from None
     (out / "raw.json").write_text(json.dumps(raw, indent=1))
     result = {
         "config": raw["config"],

@@ -107,7 +107,8 @@ def choose_impl(
     `unsupported(which)` returns why kernel `which` cannot be compiled for the shapes at hand
     (None if it can); it is consulted only when the kernel would be compiled, not interpreted.
     """
-    platform = platform or target_platform()
+    here = target_platform()
+    platform = platform or here
     which = resolve_impl(impl, platform=platform)
     if which == "xla" or interpret_needed(which, platform=platform):
         return which
@@ -115,7 +116,10 @@ def choose_impl(
     if reason is not None:
         if (op, reason) not in _LOGGED:
             _LOGGED.add((op, reason))
-            logger.warning(
+            # A warning where the program runs; for another platform's branch of it (a TPU
+            # branch traced on a CPU host, `by_platform`) only an info line: nothing to act on.
+            logger.log(
+                logging.WARNING if platform == here else logging.INFO,
                 "%s: %s cannot compile these shapes (%s); using XLA on %s",
                 op,
                 which,

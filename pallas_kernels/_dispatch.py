@@ -94,6 +94,13 @@ def interpret_needed(which: Concrete, *, platform: str | None = None) -> bool:
     return which != "xla" and KERNEL_PLATFORM[which] != (platform or target_platform())
 
 
+def fallback_level(platform: str) -> int:
+    """The log level of a "cannot run these shapes, using XLA" line for `platform`: a warning
+    where the program runs (`target_platform()`); info for another platform's branch of it (a
+    TPU branch traced on a CPU host, `by_platform`): nothing there to act on."""
+    return logging.WARNING if platform == target_platform() else logging.INFO
+
+
 def choose_impl(
     op: str,
     impl: Impl,
@@ -107,8 +114,7 @@ def choose_impl(
     `unsupported(which)` returns why kernel `which` cannot be compiled for the shapes at hand
     (None if it can); it is consulted only when the kernel would be compiled, not interpreted.
     """
-    here = target_platform()
-    platform = platform or here
+    platform = platform or target_platform()
     which = resolve_impl(impl, platform=platform)
     if which == "xla" or interpret_needed(which, platform=platform):
         return which
@@ -116,10 +122,8 @@ def choose_impl(
     if reason is not None:
         if (op, reason) not in _LOGGED:
             _LOGGED.add((op, reason))
-            # A warning where the program runs; for another platform's branch of it (a TPU
-            # branch traced on a CPU host, `by_platform`) only an info line: nothing to act on.
             logger.log(
-                logging.WARNING if platform == here else logging.INFO,
+                fallback_level(platform),
                 "%s: %s cannot compile these shapes (%s); using XLA on %s",
                 op,
                 which,

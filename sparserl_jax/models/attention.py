@@ -136,10 +136,11 @@ def resolve_attention(
         return which
     if (which, reason) not in _LOGGED:
         _LOGGED.add((which, reason))
-        # A warning where the program runs; an info line for another platform's branch of it.
-        level = logging.WARNING if platform == _dispatch.target_platform() else logging.INFO
         logger.log(
-            level, "attention: %s cannot run these operands (%s); using chunked", which, reason
+            _dispatch.fallback_level(platform),
+            "attention: %s cannot run these operands (%s); using chunked",
+            which,
+            reason,
         )
     return "chunked"
 

@@ -3,13 +3,16 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH_INSTALL ?= "torch==2.13.0"
 
 .PHONY: test test-fast test-tpu-aot demo demo-async venv lint format clean device-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	# torch first, pinned to the CPU build, so transformers does not pull a CUDA torch.
-	$(PY) -m pip install "torch==2.13.0"
+	# torch first, pinned, so transformers does not pick its own. From PyPI itself Linux torch is
+	# the CUDA build (it works, several GB more); the CPU build comes from a local wheelhouse or
+	# TORCH_INSTALL='"torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu'.
+	$(PY) -m pip install $(TORCH_INSTALL)
 	$(PY) -m pip install -e ".[test]"
 	touch $(STAMP)
 

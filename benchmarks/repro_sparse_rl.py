@@ -46,6 +46,7 @@ from sparserl_jax.metrics import read_metrics
 
 __all__ = [
     "ARMS",
+    "NotFinished",
     "RunStopped",
     "SIGNATURE",
     "Study",
@@ -122,6 +123,9 @@ class Study:
     overrides: tuple[str, ...] = ()
     check_signature: bool = True  # stop before the arms when `SIGNATURE` fails at L/4
     heldout: int = 0  # > 0: each run's final weights decoded greedy on this many held-out prompts
+    # Only report what is on disk: runs (and their held-out decodes) not finished are left out,
+    # never started or resumed (a study run in pieces, read while some of it still runs).
+    finished_only: bool = False
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -201,6 +205,10 @@ def _sft_done(cfg: Config) -> bool:
     return saved is not None and _sft_view(saved) == _sft_view(_as_saved(cfg))
 
 
+class NotFinished(LookupError):
+    """`Study.finished_only`: a run the study would have to start or resume."""
+
+
 class RunStopped(RuntimeError):
     """A signal (Ctrl-C, SIGTERM) stopped a run of the study at a safe point, its checkpoint
     saved: the study stops there, and the same command resumes that run."""
@@ -231,15 +239,20 @@ def _resumable(cfg: Config) -> int | None:
     return max(steps, default=None)
 
 
-def _run(cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
+def _run(
+    cfg: Config, src_run: Path, step: int, log: Callable[[str], None], *, finished_only=False
+) -> dict:
     """`train(cfg)` from checkpoint `step` of `src_run`; returns its summary. A run done before
     with this very config is kept (`_done`); one cut off (killed, or the study stopped) resumes
-    from its newest checkpoint (`train` does, from `run_dir`) instead of starting over."""
+    from its newest checkpoint (`train` does, from `run_dir`) instead of starting over.
+    `finished_only`: raise `NotFinished` instead of training."""
     name = Path(cfg.run_dir).name
     summary = _done(cfg)
     if summary is not None:
         log(f"  [{name}] done before: kept")
         return summary
+    if finished_only:
+        raise NotFinished(f"{name} is not finished")
     resume_at = _resumable(cfg)
     if resume_at is None:
         _copy_checkpoint(src_run, step, Path(cfg.run_dir))
@@ -327,6 +340,8 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
     sft_dir = out / "sft"
     sft = study.cfg(f"run_dir={sft_dir}", "train.steps=0", "train.eval_examples=0")
     if not _sft_done(sft):
+        if study.finished_only:
+            raise NotFinished(f"the SFT start in {sft_dir} is not finished: nothing to report")
         log(f"SFT warm start -> {sft_dir}")
         # Every run of the study descends from the SFT start: a new one voids them all.
         for old in ("sft", "signature", "runs"):
@@ -375,16 +390,23 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                     overrides.append(f"rollout.kv.budget={b}")
                 cfg = study.cfg(*overrides)
                 log(f"run {name} ({time.perf_counter() - t0:.0f}s into the study)")
-                _run(cfg, sft_dir, 0, log)
+                try:
+                    _run(cfg, sft_dir, 0, log, finished_only=study.finished_only)
+                except NotFinished as e:
+                    log(f"  left out: {e}")
+                    continue
                 rec = run_record(read_metrics(run_dir), cfg, prompt_tokens)
-                if study.heldout:
-                    at = budgets if b is None else (b,)
-                    rec |= _heldout(study, run_dir, cfg.train.steps, at, log)
+                try:
+                    if study.heldout:
+                        at = budgets if b is None else (b,)
+                        rec |= _heldout(study, run_dir, cfg.train.steps, at, log)
+                    if arm == "dense":
+                        rec["sparse_decoded"] = _decode_sparse(
+                            study, run_dir, cfg.train.steps, budgets, log
+                        )
+                except NotFinished as e:  # the run is in; its missing decodes are not
+                    log(f"  left out: {e}")
                 runs.append({"arm": arm, "budget": b, "seed": seed, "name": name, **rec})
-                if arm == "dense":
-                    runs[-1]["sparse_decoded"] = _decode_sparse(
-                        study, run_dir, cfg.train.steps, budgets, log
-                    )
     return record | {"runs": runs, "wall_s": time.perf_counter() - t0}
 
 
@@ -402,7 +424,7 @@ def _signature(
         f"rollout.kv.budget={b}",
         "train.eval_dense=true",
     )
-    _run(cfg, sft_dir, 0, log)
+    _run(cfg, sft_dir, 0, log, finished_only=study.finished_only)
     row = read_metrics(cfg.run_dir)[0]
     sparse, dense = row["val/greedy_reward_mean"], row["val/dense_greedy_reward_mean"]
     step_cfg = study.cfg(
@@ -411,7 +433,7 @@ def _signature(
         "train.eval_examples=0",
         f"rollout.kv.budget={b}",
     )
-    _run(step_cfg, sft_dir, 0, log)
+    _run(step_cfg, sft_dir, 0, log, finished_only=study.finished_only)
     rec = run_record([{}, *read_metrics(step_cfg.run_dir)], step_cfg, prompt_tokens)
     sig = {
         "sparse_greedy": sparse,
@@ -432,7 +454,7 @@ def _signature(
             "rollout.kv.policy=streaming",
             f"rollout.kv.sink_tokens={sinks}",
         )
-        _run(stream, sft_dir, 0, log)
+        _run(stream, sft_dir, 0, log, finished_only=study.finished_only)
         sig["streaming_greedy"] = read_metrics(stream.run_dir)[0]["val/greedy_reward_mean"]
     log(
         f"signature b={b}: greedy sparse {sparse:.3f} / dense {dense:.3f}, evicted "
@@ -467,7 +489,7 @@ def _decode_sparse(
     for b in budgets:
         run_dir = dense_run.parent / f"{dense_run.name}_decode_b{b}"
         cfg = study.cfg(f"run_dir={run_dir}", f"train.steps={step}", f"rollout.kv.budget={b}")
-        summary = _run(cfg, dense_run, step, log)
+        summary = _run(cfg, dense_run, step, log, finished_only=study.finished_only)
         out[b] = {
             "greedy": summary["val_greedy_reward_before"],
             "sampled": summary["val_reward_before"],
@@ -493,7 +515,7 @@ def _heldout(
             f"train.eval_dense={str(i == 0).lower()}",
             f"rollout.kv.budget={b}",
         )
-        _run(cfg, run, step, log)
+        _run(cfg, run, step, log, finished_only=study.finished_only)
         row = read_metrics(cfg.run_dir)[0]
         out.setdefault("heldout_dense_greedy", row.get("val/dense_greedy_reward_mean"))
         out[f"heldout_greedy_b{b}"] = row["val/greedy_reward_mean"]
@@ -596,8 +618,9 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
             ):
                 cell[key] = _stat([r.get(key) for r in group])
             if arm == "dense":
-                cell["greedy_final"] = _stat([r["sparse_decoded"][b]["greedy"] for r in group])
-                cell["sampled_final"] = _stat([r["sparse_decoded"][b]["sampled"] for r in group])
+                decoded = [r.get("sparse_decoded", {}).get(b, {}) for r in group]
+                cell["greedy_final"] = _stat([d.get("greedy") for d in decoded])
+                cell["sampled_final"] = _stat([d.get("sampled") for d in decoded])
             cell["collapsed"] = sum(r["collapsed"] for r in group)
             if any("heldout_dense_greedy" in r for r in group):  # `Study.heldout`
                 cell["heldout_prompts"] = max(r.get("heldout_prompts", 0) for r in group)

@@ -46,6 +46,17 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
         compilation_cache.reset_cache()
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert json.loads(last) == json.loads(json.dumps(result))
+    # Read again with a seed never run: `--finished-only` reports the same cells from disk and
+    # leaves the missing seed out (nothing started for it).
+    try:
+        again = repro_sparse_rl.main(
+            ["--quick", "--out", str(out), "--heldout", "6", "--seeds", "0", "1", "--finished-only"]
+        )
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+    assert again["cells"] == result["cells"] and again["targets"] == result["targets"]
+    assert not list((out / "runs").glob("*_s1*"))
     assert result["budgets"] == [8] and result["rollout_length"] == 32
     sig = result["signature"]["8"] if "8" in result["signature"] else result["signature"][8]
     assert 0 <= sig["sparse_greedy"] <= 1 and 0 <= sig["dense_greedy"] <= 1
@@ -190,6 +201,27 @@ def test_a_run_cut_off_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     study._run(cfg, tmp_path / "sft", 0, logs.append)
     assert "cut off before: resumes from its checkpoint 3" in logs[-2]  # the step ended first
     assert _numbers(read_metrics(cfg.run_dir)) == whole
+
+
+def test_finished_only_starts_nothing_and_deletes_nothing(tmp_path, monkeypatch):
+    """`--finished-only` reads what is on disk: a run not finished raises `NotFinished` before
+    anything is copied or trained, and a study whose SFT start is missing stops in one line
+    instead of starting one (which would clear the runs it descends from)."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import repro_sparse_rl as study
+
+    monkeypatch.chdir(ROOT)
+    cfg = load_config("configs/tiny.yaml", [f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(study.NotFinished, match="run is not finished"):
+        study._run(cfg, tmp_path / "sft", 0, print, finished_only=True)
+    assert not (tmp_path / "run").exists()
+    out = tmp_path / "study"
+    (out / "runs" / "dense_s0").mkdir(parents=True)
+    (out / "runs" / "dense_s0" / "metrics.jsonl").write_text("{}\n")
+    plan = study.Study(config="configs/tiny.yaml", out_dir=str(out), finished_only=True)
+    with pytest.raises(study.NotFinished, match="SFT start .* is not finished: nothing to report"):
+        study.run_study(plan, log=lambda m: None)
+    assert (out / "runs" / "dense_s0" / "metrics.jsonl").read_text() == "{}\n"
 
 
 def test_ratio_to_dense_with_a_bootstrap_interval_over_seeds():

@@ -11,7 +11,8 @@ vs eviction replay) rollouts from one shared SFT start (docs/reproductions.md).
 
 The study runs in pieces: run the same command again (or with more seeds) and it keeps every
 finished run (its `done.json` holds the same config) and resumes a run cut off mid-way from its
-newest checkpoint.
+newest checkpoint. `--finished-only` reports what is on disk without starting or resuming
+anything (runs not finished are left out, one line each), e.g. while other pieces still run.
 
 The signature at L/4 is checked before any arm runs (`SIGNATURE` in the logic module): when it
 fails, the tool prints which part on stderr and in the JSON (`signature_failures`), runs no arm
@@ -39,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.repro_sparse_rl import (  # noqa: E402
     ARMS,
+    NotFinished,
     RunStopped,
     Study,
     plot_study,
@@ -73,6 +75,12 @@ def main(argv: list[str] | None = None) -> dict:
         help="also decode each run's final weights greedy on N held-out prompts, dense and at "
         "each budget (the ratio-to-dense target then reads them)",
     )
+    p.add_argument(
+        "--finished-only",
+        action="store_true",
+        help="report what is on disk: leave out runs and decodes not finished (never start or "
+        "resume one), e.g. while other pieces of the study still run",
+    )
     p.add_argument("--quick", action="store_true", help="tiny config, 2 steps, 3 arms, 1 budget")
     p.add_argument(
         "--signature-only",
@@ -102,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             overrides=(*QUICK, *args.set),
             check_signature=False,
             heldout=args.heldout,
+            finished_only=args.finished_only,
         )
     else:
         study = Study(
@@ -114,12 +123,16 @@ def main(argv: list[str] | None = None) -> dict:
             overrides=tuple(args.set),
             check_signature=not args.no_signature_check,
             heldout=args.heldout,
+            finished_only=args.finished_only,
         )
     try:
         raw = run_study(study, log=lambda m: print(m, file=sys.stderr, flush=True))
     except RunStopped as e:  # one line; exit status 130, as a shell reports an interrupt
         print(f"repro_sparse_rl: {e}", file=sys.stderr)
         raise SystemExit(130) from None
+    except NotFinished as e:  # --finished-only before the SFT start or the signature is done
+        print(f"repro_sparse_rl: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
     (out / "raw.json").write_text(json.dumps(raw, indent=1))
     result = {
         "config": raw["config"],

@@ -212,16 +212,58 @@ def test_finished_only_starts_nothing_and_deletes_nothing(tmp_path, monkeypatch)
 
     monkeypatch.chdir(ROOT)
     cfg = load_config("configs/tiny.yaml", [f"run_dir={tmp_path / 'run'}"])
-    with pytest.raises(study.NotFinished, match="run is not finished"):
+    with pytest.raises(study.NotFinished, match="no finished run of this config in run"):
         study._run(cfg, tmp_path / "sft", 0, print, finished_only=True)
     assert not (tmp_path / "run").exists()
     out = tmp_path / "study"
     (out / "runs" / "dense_s0").mkdir(parents=True)
     (out / "runs" / "dense_s0" / "metrics.jsonl").write_text("{}\n")
     plan = study.Study(config="configs/tiny.yaml", out_dir=str(out), finished_only=True)
-    with pytest.raises(study.NotFinished, match="SFT start .* is not finished: nothing to report"):
+    with pytest.raises(
+        study.NotFinished, match="no finished SFT start of this config .*: nothing to report"
+    ):
         study.run_study(plan, log=lambda m: None)
     assert (out / "runs" / "dense_s0" / "metrics.jsonl").read_text() == "{}\n"
+
+
+def _record(arm, seed, *, sampled, greedy, budget=8, **extra):
+    keys = ("train_reward_first3", "train_reward_last3", "greedy_final", "sampled_final")
+    return {
+        "arm": arm,
+        "seed": seed,
+        "budget": None if arm == "dense" else budget,
+        "train_reward": [0.5] * 3,
+        "dense_sampled_final": sampled,
+        "dense_greedy_final": greedy,
+        "evicted_fraction": None if arm == "dense" else 0.6,
+        "collapsed": False,
+        **dict.fromkeys(keys, 0.5),
+        **extra,
+    }
+
+
+def test_targets_pair_each_arm_with_dense_of_the_same_seed():
+    """A report read while some runs are missing (`--finished-only`): corrected's seed 1 has
+    no dense run beside it, so the ratio the 97% target reads is seed 0's alone; a dense run
+    whose sparse decodes were left out does not break the cells."""
+    from benchmarks.repro_sparse_rl import summarise
+
+    raw = {
+        "rollout_length": 32,
+        "budgets": [8],
+        "runs": [
+            _record("dense", 0, sampled=0.8, greedy=0.9),  # no "sparse_decoded"
+            _record("corrected", 0, sampled=0.4, greedy=0.45),
+            _record("corrected", 1, sampled=0.8, greedy=0.9),
+        ],
+    }
+    out = summarise(raw)
+    (row,) = out["targets"]
+    assert row["corrected_vs_dense_sampled"] == pytest.approx(0.5)
+    assert row["corrected_vs_dense_greedy"] == pytest.approx(0.5)
+    assert not row["corrected_ge_97pct"] and row["half_evicted"]
+    dense = next(c for c in out["cells"] if c["arm"] == "dense")
+    assert dense["greedy_final"]["mean"] is None  # the left-out decode, not a crash
 
 
 def test_ratio_to_dense_with_a_bootstrap_interval_over_seeds():

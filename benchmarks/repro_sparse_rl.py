@@ -138,6 +138,11 @@ class Study:
         extra = () if self.steps is None else (f"train.steps={self.steps}",)
         return load_config(self.config, [*self.overrides, *extra, *_QUIET, *overrides])
 
+    def run(self, cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
+        """`_run` under this study's `finished_only`: every run the study reads or trains goes
+        through here, so none can start while only a report was asked for."""
+        return _run(cfg, src_run, step, log, finished_only=self.finished_only)
+
     def resolved_budgets(self) -> tuple[int, ...]:
         if self.budgets:
             return tuple(self.budgets)
@@ -393,7 +398,7 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                 cfg = study.cfg(*overrides)
                 log(f"run {name} ({time.perf_counter() - t0:.0f}s into the study)")
                 try:
-                    _run(cfg, sft_dir, 0, log, finished_only=study.finished_only)
+                    study.run(cfg, sft_dir, 0, log)
                 except NotFinished as e:
                     log(f"  left out: {e}")
                     continue
@@ -430,7 +435,7 @@ def _signature(
         f"rollout.kv.budget={b}",
         "train.eval_dense=true",
     )
-    _run(cfg, sft_dir, 0, log, finished_only=study.finished_only)
+    study.run(cfg, sft_dir, 0, log)
     row = read_metrics(cfg.run_dir)[0]
     sparse, dense = row["val/greedy_reward_mean"], row["val/dense_greedy_reward_mean"]
     step_cfg = study.cfg(
@@ -439,7 +444,7 @@ def _signature(
         "train.eval_examples=0",
         f"rollout.kv.budget={b}",
     )
-    _run(step_cfg, sft_dir, 0, log, finished_only=study.finished_only)
+    study.run(step_cfg, sft_dir, 0, log)
     rec = run_record([{}, *read_metrics(step_cfg.run_dir)], step_cfg, prompt_tokens)
     sig = {
         "sparse_greedy": sparse,
@@ -460,7 +465,7 @@ def _signature(
             "rollout.kv.policy=streaming",
             f"rollout.kv.sink_tokens={sinks}",
         )
-        _run(stream, sft_dir, 0, log, finished_only=study.finished_only)
+        study.run(stream, sft_dir, 0, log)
         sig["streaming_greedy"] = read_metrics(stream.run_dir)[0]["val/greedy_reward_mean"]
     log(
         f"signature b={b}: greedy sparse {sparse:.3f} / dense {dense:.3f}, evicted "
@@ -495,7 +500,7 @@ def _decode_sparse(
     for b in budgets:
         run_dir = dense_run.parent / f"{dense_run.name}_decode_b{b}"
         cfg = study.cfg(f"run_dir={run_dir}", f"train.steps={step}", f"rollout.kv.budget={b}")
-        summary = _run(cfg, dense_run, step, log, finished_only=study.finished_only)
+        summary = study.run(cfg, dense_run, step, log)
         out[b] = {
             "greedy": summary["val_greedy_reward_before"],
             "sampled": summary["val_reward_before"],
@@ -521,7 +526,7 @@ def _heldout(
             f"train.eval_dense={str(i == 0).lower()}",
             f"rollout.kv.budget={b}",
         )
-        _run(cfg, run, step, log, finished_only=study.finished_only)
+        study.run(cfg, run, step, log)
         row = read_metrics(cfg.run_dir)[0]
         out.setdefault("heldout_dense_greedy", row.get("val/dense_greedy_reward_mean"))
         out[f"heldout_greedy_b{b}"] = row["val/greedy_reward_mean"]

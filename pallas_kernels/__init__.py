@@ -3,8 +3,8 @@
 Each op has `reference.py` (pure jnp: the specification and the CPU path), its kernels
 (`kernel_tpu.py`: Mosaic TPU; `kernel_gpu.py`: the Pallas Triton lowering, see the note there)
 and `api.py`, which dispatches (`_dispatch.choose_impl`): on a TPU target the Mosaic kernel where
-its `unsupported_reason` accepts the shapes, else the XLA reference (one log line); XLA on CPU and
-GPU (the Triton kernels are opt-in). The target is the platform the program is lowered for
+its `unsupported_reason` accepts the shapes, else the XLA reference (one log line); the Triton
+kernels on GPU likewise; XLA on CPU. The target is the platform the program is lowered for
 (`_dispatch.by_platform`), not the process's: a program traced on a CPU host and compiled for TPU
 devices (by its shardings, a mesh or `jax.default_device`) holds the Mosaic kernels.
 

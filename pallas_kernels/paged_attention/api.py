@@ -110,9 +110,9 @@ def paged_decode_attention(
 
     Returns fp32 outputs `[B, N, H]` and, with `return_probs`, the per-key softmax
     probabilities `[B, N, M * L]` (zero past the length) that H2O accumulates. See
-    `reference.py` for the layout. `impl`: "auto" (the Mosaic kernel on TPU, XLA on CPU and GPU),
-    "xla", "pallas_tpu" or "pallas_gpu" (interpret mode off their platform), decided for the
-    platform the program is lowered for (`_dispatch.by_platform`); a kernel that cannot
+    `reference.py` for the layout. `impl`: "auto" (the Mosaic kernel on TPU, Triton on GPU, XLA
+    on CPU), "xla", "pallas_tpu" or "pallas_gpu" (interpret mode off their platform), decided for
+    the platform the program is lowered for (`_dispatch.by_platform`); a kernel that cannot
     compile these shapes falls back to XLA (`decode_impl`). On a `mesh` a kernel runs per device
     (`_dispatch.on_mesh`: heads split when the KV heads divide by the mesh size).
     """

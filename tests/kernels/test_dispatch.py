@@ -1,12 +1,11 @@
 """Which implementation each op runs, per target platform and shape class: a kernel is chosen only
-where it compiles (else XLA, logged once), GPU defaults to XLA, and interpret mode follows the
+where it compiles (else XLA, logged once) on TPU and GPU, XLA on CPU, and interpret mode follows the
 platform the program is lowered for (tests/kernels/test_tpu_aot.py lowers for a TPU)."""
 
 from __future__ import annotations
 
 import functools
 import logging
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -92,25 +91,19 @@ def test_cpu_uses_xla_and_interprets_kernels_at_any_shape(name):
 
 
 @pytest.mark.parametrize("name", sorted(TPU_OK))
-def test_gpu_defaults_to_xla_and_triton_is_opt_in(name):
+def test_gpu_defaults_to_triton_where_it_compiles(name, monkeypatch):
     decide = on("gpu")
     kv_shape, n = TPU_OK[name]
-    assert decide(kv_shape, n, 8, 16) == "xla"
-    # Asked for, Triton takes any GQA group (padded to 16 query rows) but only power-of-two
-    # page sizes and head dims of at least 16 (Triton dot tiles).
+    # Triton takes any GQA group (padded to 16 query rows) but only power-of-two page sizes and
+    # head dims of at least 16 (Triton dot tiles); other shapes fall back to XLA.
     page_size, head_dim = kv_shape[1], kv_shape[3]
     runs = all(_dispatch.is_pow2(x) and x >= 16 for x in (page_size, head_dim))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # the opt-in warning (next test)
-        got = decide(kv_shape, n, 8, 16, impl="pallas_gpu")
-    assert got == ("pallas_gpu" if runs else "xla")
+    for impl in ("auto", "pallas_gpu"):
+        assert decide(kv_shape, n, 8, 16, impl=impl) == ("pallas_gpu" if runs else "xla")
+    assert decide(kv_shape, n, 8, 16, impl="xla") == "xla"
+    monkeypatch.setenv(_dispatch.KERNEL_IMPL_ENV, "xla")  # the way back to XLA on a GPU
+    assert decide(kv_shape, n, 8, 16) == "xla"
     assert not _dispatch.interpret_needed("pallas_gpu", platform="gpu")
-
-
-def test_gpu_opt_in_warns():
-    decide = on("gpu")
-    with pytest.warns(UserWarning, match="deprecated from JAX 0.11"):
-        assert decide((64, 16, 1, 64), 16, 8, 16, impl="pallas_gpu") == "pallas_gpu"
 
 
 def test_env_override(monkeypatch):
@@ -130,8 +123,9 @@ def test_target_platform_follows_the_default_device():
 
 
 def test_window_scores_falls_back_on_tpu(caplog):
-    """Shapes Mosaic rejects (page size 12) run the XLA reference on a TPU target, as on any
-    other: one log line (info here: the TPU branch of a program this CPU host runs)."""
+    """Shapes Mosaic and Triton reject (page size 12) run the XLA reference on a TPU or GPU
+    target, as on any other: one log line per platform (info here: the TPU and GPU branches of a
+    program this CPU host runs)."""
     _dispatch._LOGGED.clear()
     k = jax.random.normal(jax.random.key(0), (4, 12, 2, 64))
     pt = jnp.array([[0, 1], [2, 3]], jnp.int32)
@@ -141,7 +135,10 @@ def test_window_scores_falls_back_on_tpu(caplog):
         got = window_scores(q, k, pt, lens, nq)
     np.testing.assert_array_equal(got, window_scores_reference(q, k, pt, lens, nq))
     lines = [r.getMessage() for r in caplog.records]
-    assert len(lines) == 1 and lines[0].startswith("window_scores: pallas_tpu"), lines
+    assert sorted(line.split(" cannot")[0] for line in lines) == [
+        "window_scores: pallas_gpu",
+        "window_scores: pallas_tpu",
+    ], lines
 
 
 def test_forced_tpu_kernel_in_a_cpu_program_interprets():

@@ -40,8 +40,8 @@ NEEDS = {"sync": {"zstandard"}}
 def plan(shapes: device_checks.Shapes) -> list[tuple[str, float]]:
     """(task, budget seconds) in the order they run, most wanted first: the device, the kernels,
     the engine at the most slots through XLA, attention, the learner (chunked, then the platform's
-    attention kernel), the engine through the kernels; then sync, the learner at longer T and the
-    engine at fewer slots."""
+    attention kernel), the engine through the kernels, the engine's contract on both paths; then
+    sync, the learner at longer T and the engine at fewer slots."""
     slots = shapes.engine_slots
     engine = [
         f"engine-{s}-{policy}-{path}"
@@ -60,6 +60,9 @@ def plan(shapes: device_checks.Shapes) -> list[tuple[str, float]]:
     # The platform's attention kernel (cuDNN on GPU, splash on TPU): `attention` has checked
     # its numerics by then.
     tasks += [(f"learner-{t0}-auto", 90.0)] + [(t, 90.0) for t in kernel]
+    # The engine's contract through both paths (the kernels are the GPU default since
+    # 2026-11-28): XLA's and the kernels' compiles, a teacher-forced pass each.
+    tasks += [("engine-contract-dense", 100.0), ("engine-contract-rkv", 110.0)]
     tasks += [("sync", 150.0)] + [(f"learner-{t}-chunked", 110.0) for t in longer]
     tasks += [(t, 110.0) for t in rest]
     return tasks
@@ -74,6 +77,8 @@ def run_task(name: str, shapes: device_checks.Shapes, emit) -> None:
         device_runs.check_learner(shapes, emit, seq_len=int(t), attention=attention)
     elif name == "sync":
         device_runs.check_sync(shapes, emit)
+    elif name.startswith("engine-contract-"):
+        device_runs.check_engine_contract(shapes, emit, policy=name.split("-")[2])
     elif name.startswith("engine-"):
         _, slots, policy, path = name.split("-")
         device_runs.check_engine(shapes, emit, slots=int(slots), policy=policy, path=path)

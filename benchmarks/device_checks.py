@@ -47,6 +47,8 @@ class Shapes:
     engine_budget: int = 512
     engine_interval: int = 128
     engine_chunk: int = 128
+    contract_slots: int = 32  # the engine contract, XLA vs kernels (sampled, T = 1)
+    contract_new: int = 640  # prompt + 640 > the R-KV budget: it evicts
     sync_lrs: tuple[float, ...] = (1e-6, 1e-5)
     sync_versions: int = 2  # patches per lr; the first apply of a run may compile
     copy_mib: int = 2048
@@ -79,6 +81,8 @@ SMOKE = Shapes(
     engine_budget=24,
     engine_interval=8,
     engine_chunk=16,
+    contract_slots=4,
+    contract_new=40,
     copy_mib=8,
     reps=2,
 )

@@ -124,6 +124,81 @@ def check_engine(shapes: Shapes, emit: Emit, *, slots: int, policy: str, path: s
     )
 
 
+def check_engine_contract(shapes: Shapes, emit: Emit, *, policy: str) -> None:
+    """The engine's contract through XLA and through the platform's kernels, in one process:
+    `contract_slots` prompts sampled at T = 1 with the same keys, `contract_new` tokens each, at
+    Qwen2.5-0.5B shapes with random bf16 weights (R-KV: past its budget, so it evicts); each
+    path's sampler logprobs against the teacher-forced ones of the same weights
+    (`dense_logprobs`, the run's own evictions replayed for R-KV), and how far the two paths
+    sample the same tokens. bf16 sets no absolute tolerance here, so the check is relative: the
+    kernels pass when their mean |sampler - teacher-forced| is at most 1.5x XLA's + 1e-3."""
+    import os
+
+    from flax import nnx
+
+    from benchmarks.rollout import random_prompts
+    from pallas_kernels._dispatch import KERNEL_IMPL_ENV
+    from sparserl_jax.kvcache import CompressionConfig
+    from sparserl_jax.models import Transformer, model_preset
+    from sparserl_jax.rollout import RolloutConfig, RolloutEngine, dense_logprobs
+
+    cfg = model_preset(MODEL, **shapes.model).replace(dtype="bfloat16", param_dtype="bfloat16")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    kv = None
+    if policy != "dense":
+        kv = CompressionConfig(
+            policy=policy, budget=shapes.engine_budget, interval=shapes.engine_interval
+        )
+    slots = shapes.contract_slots
+    prompts = random_prompts(cfg.vocab_size, slots, shapes.engine_prompt, seed=1)
+    config = RolloutConfig(
+        num_slots=slots,
+        max_prompt_len=shapes.engine_prompt,
+        max_new_tokens=shapes.contract_new,
+        temperature=1.0,
+        chunk_steps=shapes.engine_chunk,
+        kv=kv,
+        page_size=16,
+        record_evictions=kv is not None,
+    )
+    ids, mean_err = {}, {}
+    for path in ("xla", "kernel"):
+        os.environ[KERNEL_IMPL_ENV] = platform_kernel() if path == "kernel" else "xla"
+        t0 = time.perf_counter()
+        res = RolloutEngine(model, config).generate(prompts, seeds=list(range(slots)))
+        seconds = time.perf_counter() - t0
+        tokens_bt, mask_bt, sampler_bt = res.sequences()
+        evict = None if kv is None else res.evictions(tokens_bt.shape[1])
+        teacher_bt = np.asarray(dense_logprobs(model, None, tokens_bt, evict_pos_bykt=evict))
+        err = np.abs(sampler_bt - teacher_bt)[mask_bt]
+        ids[path], mean_err[path] = res.completion_ids, float(err.mean())
+        emit(
+            {
+                "policy": policy,
+                "path": path,
+                "kernel_impl": os.environ[KERNEL_IMPL_ENV],
+                "tokens": int(mask_bt.sum()),
+                "tokens_evicted": int(res.tokens_evicted.sum()),
+                "seconds_with_compile": seconds,
+                "mean_abs_err": mean_err[path],
+                "p99_abs_err": float(np.quantile(err, 0.99)),
+                "max_abs_err": float(err.max()),
+            }
+        )
+    differ = ids["xla"] != ids["kernel"]
+    first = np.where(differ.any(axis=1), differ.argmax(axis=1), differ.shape[1])
+    emit(
+        {
+            "policy": policy,
+            "path": "kernel vs xla",
+            "rows_identical": float((first == differ.shape[1]).mean()),
+            "mean_first_divergence": float(first.mean()),
+            "tokens_per_row": differ.shape[1],
+            "pass": mean_err["kernel"] <= 1.5 * mean_err["xla"] + 1e-3,
+        }
+    )
+
+
 def check_sync(shapes: Shapes, emit: Emit) -> None:
     """PULSESync format 3 on a Qwen2.5-0.5B-shaped tree: fp32 masters moved by synthetic
     Adam-sized steps (`lr * N(0, 1)` per element) at each learning rate, published on the host,

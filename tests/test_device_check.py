@@ -50,6 +50,13 @@ def test_smoke_run_passes_every_task(tmp_path):
         < (tasks["engine-4-dense-xla"]["records"][0]["kv_bytes_per_step"])
     )
     assert tasks["learner-64-chunked"]["records"][0]["grad_norm"] > 0
+    # The engine's contract on both paths; on CPU the interpreted kernels sample what XLA does.
+    for policy in ("dense", "rkv"):
+        *paths, versus = tasks[f"engine-contract-{policy}"]["records"]
+        assert [r["path"] for r in paths] == ["xla", "kernel"] and versus["pass"]
+        assert all(0 < r["mean_abs_err"] < 0.05 for r in paths)
+        assert versus["rows_identical"] == 1.0
+    assert tasks["engine-contract-rkv"]["records"][0]["tokens_evicted"] > 0
     assert len(report["roofline"]) == 4
     assert "## decode roofline" in (tmp_path / "device_check.md").read_text()
 

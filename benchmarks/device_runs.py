@@ -69,6 +69,23 @@ def _kv_bytes_per_step(cfg, shapes: Shapes, sparse: bool, interval: int) -> floa
     return per_token * float(np.mean(kept))
 
 
+def _engine_model(shapes: Shapes, policy: str):
+    """The engine tasks' model (Qwen2.5-0.5B shapes, random bf16 weights) and compression
+    (None for dense, else `policy` at `engine_budget`)."""
+    from flax import nnx
+
+    from sparserl_jax.kvcache import CompressionConfig
+    from sparserl_jax.models import Transformer, model_preset
+
+    cfg = model_preset(MODEL, **shapes.model).replace(dtype="bfloat16", param_dtype="bfloat16")
+    kv = None
+    if policy != "dense":
+        kv = CompressionConfig(
+            policy=policy, budget=shapes.engine_budget, interval=shapes.engine_interval
+        )
+    return Transformer(cfg, rngs=nnx.Rngs(0)), kv
+
+
 def check_engine(shapes: Shapes, emit: Emit, *, slots: int, policy: str, path: str) -> None:
     """Greedy decode of `engine_new` tokens in each of `slots` slots at Qwen2.5-0.5B shapes with
     random bf16 weights, dense or R-KV at `engine_budget`, through `path` (the XLA reference or
@@ -80,17 +97,10 @@ def check_engine(shapes: Shapes, emit: Emit, *, slots: int, policy: str, path: s
 
     from benchmarks.rollout import engine_runner, random_prompts
     from pallas_kernels._dispatch import KERNEL_IMPL_ENV
-    from sparserl_jax.kvcache import CompressionConfig
-    from sparserl_jax.models import Transformer, model_preset
 
     os.environ[KERNEL_IMPL_ENV] = platform_kernel() if path == "kernel" else "xla"
-    cfg = model_preset(MODEL, **shapes.model).replace(dtype="bfloat16", param_dtype="bfloat16")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    kv = None
-    if policy != "dense":
-        kv = CompressionConfig(
-            policy=policy, budget=shapes.engine_budget, interval=shapes.engine_interval
-        )
+    model, kv = _engine_model(shapes, policy)
+    cfg = model.cfg
     prompts = random_prompts(cfg.vocab_size, slots, shapes.engine_prompt, seed=0)
     t0 = time.perf_counter()
     run = engine_runner(
@@ -134,21 +144,12 @@ def check_engine_contract(shapes: Shapes, emit: Emit, *, policy: str) -> None:
     kernels pass when their mean |sampler - teacher-forced| is at most 1.5x XLA's + 1e-3."""
     import os
 
-    from flax import nnx
-
     from benchmarks.rollout import random_prompts
     from pallas_kernels._dispatch import KERNEL_IMPL_ENV
-    from sparserl_jax.kvcache import CompressionConfig
-    from sparserl_jax.models import Transformer, model_preset
     from sparserl_jax.rollout import RolloutConfig, RolloutEngine, dense_logprobs
 
-    cfg = model_preset(MODEL, **shapes.model).replace(dtype="bfloat16", param_dtype="bfloat16")
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
-    kv = None
-    if policy != "dense":
-        kv = CompressionConfig(
-            policy=policy, budget=shapes.engine_budget, interval=shapes.engine_interval
-        )
+    model, kv = _engine_model(shapes, policy)
+    cfg = model.cfg
     slots = shapes.contract_slots
     prompts = random_prompts(cfg.vocab_size, slots, shapes.engine_prompt, seed=1)
     config = RolloutConfig(

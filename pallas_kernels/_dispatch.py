@@ -10,20 +10,23 @@ call. With a `mesh=` the target is its devices' platform, known when tracing. Id
 are traced once; an op whose choices agree everywhere (`impl="xla"`) has no branch at all.
 `target_platform()` (the default device's platform) serves only reports of what runs there.
 
-Per platform: `impl="auto"` picks the Mosaic kernel on TPU, the Triton-lowered kernels on GPU
-and the XLA reference on CPU. On an H200 (JAX 0.11.2, `make device-check` of 2026-11-28,
+Per platform: `impl="auto"` picks the Mosaic kernel on TPU, the Triton-lowered kernels on GPU and
+the XLA reference on CPU. On an H200 (JAX 0.11.2, `make device-check` of 2026-11-28,
 docs/results.md) the engine at Qwen2.5-0.5B shapes decodes 1.56x (dense) and 1.49x (R-KV 512)
-faster through the kernels than through XLA, which gathers each row's pages every step; before
-the lane-dense pool (2026-11-27) the kernels were the slower path there and on an H100, and XLA
-was the GPU default. Pallas Triton is deprecated from JAX 0.11 (Mosaic GPU is its successor);
-`impl="xla"` or the environment keeps a GPU program on XLA. The environment
-variable `SPARSERL_KERNEL_IMPL` (xla, pallas_tpu, pallas_gpu) overrides "auto". A kernel asked
-for runs compiled on its platform and in Pallas' HLO interpreter (`interpret=True`) on any other
-(CPU tests): not TPU interpret mode, whose ordered host callbacks a platform-dependent branch
-cannot hold (JAX threads the effect tokens of every branch into the one it lowers). Compiled, a
-kernel runs only on the shapes its `unsupported_reason` accepts; any other shape goes to the XLA
-reference with one log line per (op, reason) (`choose_impl`), so a program never reaches a kernel
-its compiler rejects.
+faster through the kernels than through XLA, which gathers each row's pages every step, and is as
+faithful to the teacher-forced logprobs; before the lane-dense pool (2026-11-27) the kernels were
+slower there for dense (0.88x; R-KV 1.05x) and on an H100 for both, and XLA was the GPU default.
+Not yet run with the kernels as default: an H100 on the new layout, ROCm (it takes the GPU branch),
+several GPUs (`on_mesh`). Pallas Triton is deprecated from JAX 0.11 (Mosaic GPU is its successor).
+`impl="xla"` keeps one op on XLA; `SPARSERL_KERNEL_IMPL=xla` keeps every op there, and also turns
+teacher-forcing attention's "auto" into "chunked" (`models.attention.resolve_attention`): set
+`model.attention=cudnn` beside it to keep cuDNN. The environment variable `SPARSERL_KERNEL_IMPL`
+(xla, pallas_tpu, pallas_gpu) overrides "auto". A kernel asked for runs compiled on its platform
+and in Pallas' HLO interpreter (`interpret=True`) on any other (CPU tests): not TPU interpret mode,
+whose ordered host callbacks a platform-dependent branch cannot hold (JAX threads the effect tokens
+of every branch into the one it lowers). Compiled, a kernel runs only on the shapes its
+`unsupported_reason` accepts; any other shape goes to the XLA reference with one log line per (op,
+reason) (`choose_impl`), so a program never reaches a kernel its compiler rejects.
 
 On a device mesh (`mesh=` of the ops), a compiled kernel runs per device under `shard_map`
 (`on_mesh`): Mosaic calls cannot be partitioned by XLA. KV heads are split over the mesh when

@@ -25,7 +25,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("runs/device-check"))
     p.add_argument("--smoke", action="store_true", help="tiny shapes (the CPU test)")
-    p.add_argument("--total-s", type=float, default=540.0, help="budget of the whole run")
+    p.add_argument("--total-s", type=float, default=560.0, help="budget of the whole run")
     p.add_argument("--only", nargs="*", help="tasks or task families (engine, learner, ...)")
     p.add_argument("--task-s", type=float, help="every task's budget (default: each its own)")
     args = p.parse_args()

@@ -18,15 +18,16 @@ faithful to the teacher-forced logprobs; before the lane-dense pool (2026-11-27)
 slower there for dense (0.88x; R-KV 1.05x) and on an H100 for both, and XLA was the GPU default.
 Not yet run with the kernels as default: an H100 on the new layout, ROCm (it takes the GPU branch),
 several GPUs (`on_mesh`). Pallas Triton is deprecated from JAX 0.11 (Mosaic GPU is its successor).
-`impl="xla"` keeps one op on XLA; `SPARSERL_KERNEL_IMPL=xla` keeps every op there, and also turns
-teacher-forcing attention's "auto" into "chunked" (`models.attention.resolve_attention`): set
-`model.attention=cudnn` beside it to keep cuDNN. The environment variable `SPARSERL_KERNEL_IMPL`
-(xla, pallas_tpu, pallas_gpu) overrides "auto". A kernel asked for runs compiled on its platform
-and in Pallas' HLO interpreter (`interpret=True`) on any other (CPU tests): not TPU interpret mode,
-whose ordered host callbacks a platform-dependent branch cannot hold (JAX threads the effect tokens
-of every branch into the one it lowers). Compiled, a kernel runs only on the shapes its
-`unsupported_reason` accepts; any other shape goes to the XLA reference with one log line per (op,
-reason) (`choose_impl`), so a program never reaches a kernel its compiler rejects.
+`impl="xla"` keeps one op on XLA (the rollout engine's cache: `rollout.kernel_impl`);
+`SPARSERL_KERNEL_IMPL=xla` keeps every op there, and also turns teacher-forcing attention's "auto"
+into "chunked" (`models.attention.resolve_attention`). The environment variable
+`SPARSERL_KERNEL_IMPL` (xla, pallas_tpu, pallas_gpu) overrides "auto". A kernel asked for runs
+compiled on its platform and in Pallas' HLO interpreter (`interpret=True`) on any other (CPU
+tests): not TPU interpret mode, whose ordered host callbacks a platform-dependent branch cannot
+hold (JAX threads the effect tokens of every branch into the one it lowers). Compiled, a kernel
+runs only on the shapes its `unsupported_reason` accepts; any other shape goes to the XLA reference
+with one log line per (op, reason) (`choose_impl`), so a program never reaches a kernel its
+compiler rejects.
 
 On a device mesh (`mesh=` of the ops), a compiled kernel runs per device under `shard_map`
 (`on_mesh`): Mosaic calls cannot be partitioned by XLA. KV heads are split over the mesh when

@@ -8,6 +8,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from pallas_kernels._dispatch import IMPLS
 from sparserl_jax.kvcache import CompressionConfig, budget_ladder
 from sparserl_jax.kvcache.config import cdiv
 from sparserl_jax.kvcache.evictions import NEVER
@@ -46,6 +47,10 @@ class RolloutConfig:
       fsdp_shards: on a mesh, split the slots and pages over its `fsdp` axis too (as over
         `data`) and run the weights from their fsdp parts, never gathered (`rollout.shards`);
         for weights that do not fit a chip. Off, fsdp-split weights are left to XLA.
+      kernel_impl: what the KV cache's ops run (`pallas_kernels`): "auto" (the Mosaic kernels
+        on TPU, the Triton kernels on GPU, XLA on CPU; `SPARSERL_KERNEL_IMPL` overrides it),
+        "xla", "pallas_tpu" or "pallas_gpu". Unlike the environment variable it leaves the
+        learner's attention choice alone.
     """
 
     num_slots: int = 8
@@ -64,6 +69,7 @@ class RolloutConfig:
     page_size: int = 16
     num_pages: int | None = None
     fsdp_shards: bool = False
+    kernel_impl: str = "auto"
 
     def __post_init__(self):
         for name in (
@@ -95,6 +101,8 @@ class RolloutConfig:
             )
         if self.kv is not None and not isinstance(self.kv, CompressionConfig):
             raise ValueError(f"kv must be a CompressionConfig or None, got {type(self.kv)}")
+        if self.kernel_impl not in IMPLS:
+            raise ValueError(f"kernel_impl must be one of {IMPLS}, got {self.kernel_impl!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.num_pages is not None and self.num_pages < self.pages_per_slot:

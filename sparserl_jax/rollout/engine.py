@@ -160,8 +160,7 @@ class RolloutEngine:
         else:
             carry = (jnp.int32(0), cache, slots.logits_sv)
             _, cache, logits_sv = jax.lax.while_loop(lambda x: x[0] * g < num_fill, group, carry)
-        # One prefill is one step of the batch's counter (the compression interval), however
-        # many groups it ran.
+        # One prefill is one step of the batch's counter (the compression interval), for any groups.
         cache = dataclasses.replace(cache, steps=steps + 1)
         zero_s = jnp.zeros_like(slots.generated_s)
         slots = SlotState(
@@ -280,6 +279,7 @@ class RolloutEngine:
             num_pages=cfg.pool_pages // self.data,
             mesh=self.mesh,
             record_evictions=cfg.record_evictions,
+            impl=cfg.kernel_impl,
         )
         zero_s = jnp.zeros((s,), jnp.int32)
         slots = SlotState(

@@ -1,5 +1,6 @@
 """The engine's public surface: result layout, stop tokens, per-prompt seeds, weight swaps
-without recompiling, abandoning a rollout between chunks, and configuration errors."""
+without recompiling, abandoning a rollout between chunks, the kernels it runs, and configuration
+errors."""
 
 from __future__ import annotations
 
@@ -96,6 +97,7 @@ def test_new_weights_do_not_recompile():
         (dict(top_k=-2), "top_k"),
         (dict(stop_token_ids=(3, -1)), "stop_token_ids"),
         (dict(num_pages=1, page_size=4), "num_pages"),
+        (dict(kernel_impl="cuda"), "kernel_impl"),
     ],
 )
 def test_config_errors_name_the_value(kw, match):
@@ -123,3 +125,22 @@ def test_stop_hook_abandons_the_rollout_between_chunks(sampled):
         engine.generate(PROMPTS, weight_version=7, stop=stop)
     again = engine.generate(PROMPTS, weight_version=7, stop=lambda: False)  # nothing left over
     np.testing.assert_array_equal(again.completion_ids, res.completion_ids)
+
+
+def test_kernel_impl_reaches_the_cache_and_keeps_the_tokens(monkeypatch):
+    """`rollout.kernel_impl` picks the cache ops' implementation without the environment (which
+    would also change the learner's attention): the GPU kernels, interpreted on this CPU, decode
+    the tokens and logprobs XLA does, R-KV's scoring and compaction included."""
+    from sparserl_jax.kvcache import CompressionConfig
+
+    monkeypatch.delenv("SPARSERL_KERNEL_IMPL", raising=False)
+    kv = CompressionConfig(policy="rkv", budget=8, window=2, interval=4)
+    model, got = tiny_model(seed=3), {}
+    for impl in ("xla", "pallas_gpu"):
+        engine = RolloutEngine(model, config(kernel_impl=impl, kv=kv, page_size=4))
+        assert engine._empty()[0].impl == impl
+        got[impl] = engine.generate(PROMPTS[:2])
+    assert got["xla"].tokens_evicted.sum() > 0
+    np.testing.assert_array_equal(got["xla"].completion_ids, got["pallas_gpu"].completion_ids)
+    a, b = got["xla"].sampler_logprobs, got["pallas_gpu"].sampler_logprobs
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)

@@ -115,11 +115,10 @@ def _bound(record: dict[str, Any], err: float, tol: float) -> dict[str, Any]:
 
 def platform_kernel() -> str:
     """The Pallas implementation of the target platform ("pallas_tpu" on TPU, else the GPU
-    kernels, interpreted off a GPU), from `_dispatch.KERNEL_PLATFORM`."""
-    from pallas_kernels._dispatch import KERNEL_PLATFORM, target_platform
+    kernels, interpreted off a GPU), from `_dispatch.PLATFORM_KERNEL`."""
+    from pallas_kernels._dispatch import PLATFORM_KERNEL, target_platform
 
-    on = {platform: impl for impl, platform in KERNEL_PLATFORM.items()}
-    return on.get(target_platform(), "pallas_gpu")
+    return PLATFORM_KERNEL.get(target_platform(), "pallas_gpu")
 
 
 def peak_gib() -> float | None:

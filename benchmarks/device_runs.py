@@ -146,6 +146,7 @@ def check_engine_contract(shapes: Shapes, emit: Emit, *, policy: str) -> None:
     XLA's + 1e-3, and the kernel's decode did not fall back to XLA. R-KV's XLA record also gives
     the error against the teacher without the replay: what a contract broken by eviction would
     look like."""
+    import dataclasses
     import os
 
     from benchmarks.rollout import random_prompts
@@ -169,15 +170,17 @@ def check_engine_contract(shapes: Shapes, emit: Emit, *, policy: str) -> None:
     )
     pool = (config.pool_pages, page, cfg.num_kv_heads, cfg.head_dim)
     pages = cdiv(shapes.engine_prompt + shapes.contract_new, page)
+    # The teacher: one program for both paths (chunked attention, as "xla" makes `auto`); each
+    # engine's own `kernel_impl` is explicit, so the environment does not reach it.
+    os.environ[KERNEL_IMPL_ENV] = "xla"
     ids, errs, ran = {}, {}, {}
     for path in ("xla", "kernel"):
         which = platform_kernel() if path == "kernel" else "xla"
-        os.environ[KERNEL_IMPL_ENV] = which
+        ran[path] = decode_impl(pool, cfg.num_heads, slots, pages, impl=which)
+        engine = RolloutEngine(model, dataclasses.replace(config, kernel_impl=which))
         t0 = time.perf_counter()
-        res = RolloutEngine(model, config).generate(prompts, seeds=list(range(slots)))
+        res = engine.generate(prompts, seeds=list(range(slots)))
         seconds = time.perf_counter() - t0
-        # The teacher: one program for both paths (chunked attention, as "xla" makes `auto`).
-        os.environ[KERNEL_IMPL_ENV] = "xla"
         tokens_bt, mask_bt, sampler_bt = res.sequences()
         evict = None if kv is None else res.evictions(tokens_bt.shape[1])
         teacher_bt = np.asarray(dense_logprobs(model, None, tokens_bt, evict_pos_bykt=evict))
@@ -188,9 +191,7 @@ def check_engine_contract(shapes: Shapes, emit: Emit, *, policy: str) -> None:
         record = {
             "policy": policy,
             "path": path,
-            "decode_ran": ran.setdefault(
-                path, decode_impl(pool, cfg.num_heads, slots, pages, impl=which)
-            ),
+            "decode_ran": ran[path],
             "tokens": int(mask_bt.sum()),
             "tokens_evicted": int(res.tokens_evicted.sum()),
             "seconds_with_compile": seconds,

@@ -51,6 +51,8 @@ Concrete = Literal["xla", "pallas_tpu", "pallas_gpu"]
 IMPLS: tuple[str, ...] = ("auto", "xla", "pallas_tpu", "pallas_gpu")
 KERNEL_IMPL_ENV = "SPARSERL_KERNEL_IMPL"
 KERNEL_PLATFORM = {"pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+# The kernel each platform runs under "auto" (any other platform: XLA).
+PLATFORM_KERNEL = {on: which for which, on in KERNEL_PLATFORM.items()}
 # The lowering platforms an op tells apart ("gpu": cuda or rocm; "cpu": any other).
 PLATFORMS: tuple[str, ...] = ("tpu", "gpu", "cpu")
 
@@ -91,8 +93,7 @@ def resolve_impl(impl: Impl, *, platform: str | None = None) -> Concrete:
         if env not in IMPLS[1:]:
             raise ValueError(f"{KERNEL_IMPL_ENV}={env!r}; expected one of {IMPLS[1:]}")
         return env  # type: ignore[return-value]
-    kernels = {on: which for which, on in KERNEL_PLATFORM.items()}
-    return kernels.get(platform or target_platform(), "xla")  # type: ignore[return-value]
+    return PLATFORM_KERNEL.get(platform or target_platform(), "xla")  # type: ignore[return-value]
 
 
 def interpret_needed(which: Concrete, *, platform: str | None = None) -> bool:

@@ -160,7 +160,7 @@ class RolloutEngine:
         else:
             carry = (jnp.int32(0), cache, slots.logits_sv)
             _, cache, logits_sv = jax.lax.while_loop(lambda x: x[0] * g < num_fill, group, carry)
-        # One prefill is one step of the batch's counter (the compression interval), for any groups.
+        # A prefill is one step of the batch's counter (compression interval), however many groups.
         cache = dataclasses.replace(cache, steps=steps + 1)
         zero_s = jnp.zeros_like(slots.generated_s)
         slots = SlotState(

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sparserl_jax.kvcache import CompressionConfig
 from sparserl_jax.rollout import RolloutAborted, RolloutConfig, RolloutEngine
 from sparserl_jax.testing import tiny_model
 
@@ -131,8 +132,6 @@ def test_kernel_impl_reaches_the_cache_and_keeps_the_tokens(monkeypatch):
     """`rollout.kernel_impl` picks the cache ops' implementation without the environment (which
     would also change the learner's attention): the GPU kernels, interpreted on this CPU, decode
     the tokens and logprobs XLA does, R-KV's scoring and compaction included."""
-    from sparserl_jax.kvcache import CompressionConfig
-
     monkeypatch.delenv("SPARSERL_KERNEL_IMPL", raising=False)
     kv = CompressionConfig(policy="rkv", budget=8, window=2, interval=4)
     model, got = tiny_model(seed=3), {}

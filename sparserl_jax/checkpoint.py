@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,8 +71,9 @@ class CheckpointManager:
             self.directory, options=options, item_names=("state", "meta", "digests")
         )
 
-    def steps(self) -> list[int]:
-        return sorted(self._mngr.all_steps())
+    def steps(self, *, read: bool = False) -> list[int]:
+        """The steps saved; `read`: list the directory again (another process may have saved)."""
+        return sorted(self._mngr.all_steps(read=read))
 
     def save(self, step: int, state: Any, meta: dict | None = None, *, force: bool = True) -> None:
         """Start saving `state` (pytree of arrays) and `meta` (JSON) as `step`; returns at once
@@ -142,15 +143,23 @@ class CheckpointManager:
                 )
         return state, meta
 
-    def restore_latest(self, abstract_state: Any) -> tuple[Any, dict] | None:
+    def restore_latest(
+        self, abstract_state: Any, refuse: Callable[[dict], str | None] | None = None
+    ) -> tuple[Any, dict] | None:
         """The newest checkpoint that restores and verifies, or None when the run has none.
 
-        Each step that fails is reported in one log line and moved aside (module docstring);
-        a `CheckpointMismatchError` (the run's config does not match) is raised at once.
+        Each step that fails is reported in one log line and moved aside (module docstring),
+        and so is one whose meta `refuse(meta)` gives a reason for (the decoupled trainer's: a
+        checkpoint a superseded incarnation wrote); a `CheckpointMismatchError` (the run's
+        config does not match) is raised at once.
         """
         for step in reversed(self.steps()):
             try:
-                return self.restore(step, abstract_state)
+                state, meta = self.restore(step, abstract_state)
+                why = refuse(meta) if refuse is not None else None
+                if why is None:
+                    return state, meta
+                raise CheckpointError(f"checkpoint step {step} {why}")
             except CheckpointError as e:
                 moved = self.move_aside(step) or "checkpoints.corrupt/ (by process 0)"
                 log.warning("%s; moved to %s, falling back to the previous checkpoint", e, moved)

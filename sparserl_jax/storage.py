@@ -5,11 +5,11 @@ A local `run_dir` behaves as it always has (files appended, fsynced, replaced by
 is reached through `etils.epath` (gcsfs or s3fs underneath; Orbax reaches it the same way), and
 object stores differ from a file system in three ways this module absorbs:
 - no append: a `JsonlFile` keeps its rows in memory (its one writer, the trainer's leader, is
-  fenced) and `flush()` writes the whole object in one PUT, which readers see whole or not at
-  all. Rows reach the store at each flush (the trainer flushes once per step and before every
-  checkpoint, so the rows a checkpoint counts are stored before it); GCS allows about one write
-  per second to one object, which a flush per step respects. Each flush rewrites the file:
-  fine for the ledger and metrics of ~10^4 steps.
+  fenced) and `flush()` reads the object and writes it back whole with them in one PUT, which
+  readers see whole or not at all. Rows reach the store at each flush (the trainer flushes
+  once per step and before every checkpoint, so the rows a checkpoint counts are stored before
+  it); GCS allows about one write per second to one object, which a flush per step respects.
+  Each flush rewrites the file: fine for the ledger and metrics of ~10^4 steps.
 - no rename: `write_text` is one PUT (already atomic), `move_tree` copies then deletes.
 - no directories: `mkdir` is a no-op there.
 """
@@ -153,9 +153,15 @@ class JsonlFile:
             os.fsync(f.fileno())
 
     def flush(self) -> None:
-        """Store the rows appended since the last flush (a no-op locally: they are)."""
+        """Store the rows appended since the last flush (a no-op locally: they are). The
+        object is read again first, so a writer that should have been the only one but was
+        not (an old trainer woken after its successor started) adds its rows after the
+        other's instead of putting back the content it last saw (for the ledger, rows that
+        then do not count); two flushes whose read and write overlap still lose one's rows:
+        an object store has no append."""
         if self.local or not self._held:
             return
+        self._text = None
         text = self._read() + "".join(self._held)
         write_text(self.path, text)
         self._text, self._held = text, []

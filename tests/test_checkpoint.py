@@ -94,6 +94,23 @@ def test_missing_checkpoint_dir_item(tmp_path, caplog):
     _assert_reported_and_moved(caplog, tmp_path, 2)
 
 
+def test_a_refused_checkpoint_is_moved_aside_and_the_previous_one_restored(tmp_path, caplog):
+    """`restore_latest(refuse=...)`: a step whose meta the caller refuses (the decoupled
+    trainer's: saved by a superseded incarnation) goes the way of a corrupt one."""
+    with CheckpointManager(tmp_path, keep=3) as ckpt:
+        ckpt.save(1, _state(1), {"epoch": 2})
+        ckpt.save(2, _state(2), {"epoch": 1})
+        ckpt.wait()
+    with CheckpointManager(tmp_path, keep=3) as ckpt:
+        refuse = lambda meta: "is epoch 1's" if meta["epoch"] == 1 else None  # noqa: E731
+        restored, meta = ckpt.restore_latest(_state(0), refuse)
+        assert ckpt.steps() == [1] and ckpt.steps(read=True) == [1]
+    assert meta["step"] == 1
+    assert_trees_equal(restored, _state(1))
+    _assert_reported_and_moved(caplog, tmp_path, 2)
+    assert any("checkpoint step 2 is epoch 1's; moved to" in r.getMessage() for r in caplog.records)
+
+
 def test_empty_run_has_nothing_to_restore(tmp_path):
     with CheckpointManager(tmp_path) as ckpt:
         assert ckpt.restore_latest(_state(0)) is None

@@ -4,6 +4,7 @@ retries of failed kvstore calls (and conditional writes whose reply was lost).""
 
 import dataclasses
 import json
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import tensorstore as ts
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from sparserl_jax.config import load_config
 from sparserl_jax.data import Example, prompt_iterator
@@ -25,7 +28,7 @@ from sparserl_jax.decoupled.exchange import (
     decode_rollout,
     encode_rollout,
 )
-from sparserl_jax.decoupled.ledger import Ledger, check_exactly_once
+from sparserl_jax.decoupled.ledger import FILES, Ledger, check_exactly_once
 from sparserl_jax.decoupled.queue import WorkQueue
 from sparserl_jax.decoupled.trainer import _Usable
 from sparserl_jax.models.tokenizer import CharTokenizer
@@ -173,6 +176,21 @@ def test_items_epochs_and_verdicts(tmp_path):
     assert (tmp_path / "x" / "sync" / "e000001" / "anchor-000000000000.psyn").exists()
 
 
+def test_a_checkpoint_saved_after_a_newer_epoch_started_earlier_is_superseded(tmp_path):
+    """Epoch 1 checkpoints steps 2 and 4 (4 once past its fence check, frozen, woken after epoch
+    2 had resumed from 2); epoch 3 died while starting (no start step); epoch 4 resumed from 6."""
+    ex = Exchange(f"file://{tmp_path}/x/")
+    for start in (None, 2, None, 6):
+        e = ex.begin_epoch({"starting": True})
+        if start is not None:
+            ex.update_epoch(e, {"step": start, "starting": False})
+    assert ex.superseded_at(1, 2) is None  # epoch 2 resumed from it
+    assert "after epoch 2 had resumed from step 2" in ex.superseded_at(1, 4)
+    assert ex.superseded_at(2, 6) is None and ex.superseded_at(2, 4) is None
+    assert "after epoch 4 had resumed from step 6" in ex.superseded_at(2, 8)
+    assert ex.superseded_at(4, 100) is None and ex.superseded_at(None, 100) is None
+
+
 def test_a_writer_killed_before_its_rename_leaves_no_unreadable_record(tmp_path):
     """TensorStore's file driver writes `<key>.__lock`, then renames it over the key; a writer
     killed with -9 in between leaves the lock file, and the next writer of the key writes into
@@ -233,6 +251,7 @@ def test_ledger_truncate_and_exactly_once(tmp_path):
         "steps": 3,
         "dropped": 1,
         "reasons": {"expired": 1},
+        "superseded": 0,
     }
     (tmp_path / "pending.json").write_text("[]")
     with pytest.raises(ValueError, match="lost"):
@@ -254,6 +273,73 @@ def test_ledger_truncate_and_exactly_once(tmp_path):
         _rows(Ledger(tmp_path), "consumed", rows)
         with pytest.raises(ValueError, match=why):
             check_exactly_once(tmp_path)
+
+
+def test_rows_an_old_trainer_appends_after_its_successor_started_do_not_count(tmp_path):
+    """Trainer epoch 1 passed its fence check and was frozen before its ledger append; epoch 2
+    resumed from epoch 1's checkpoint and trained the same items; epoch 1, woken, appends its
+    rows (a consumed one and a dropped one) before its next fence check stops it. Those rows
+    are in the files but do not count; epoch 3, resuming, cuts them out."""
+    a = Ledger(tmp_path, epoch=1)
+    a.truncate({})
+    _rows(a, "consumed", _consumed(1, 0, items=[0, 1]))
+    pos = a.position()
+    b = Ledger(tmp_path, epoch=2)
+    b.truncate(pos)
+    _rows(b, "consumed", _consumed(2, 1, items=[2, 3])[:1])
+    a.append("consumed", _consumed(2, 1, items=[2, 3])[0])  # the old trainer, woken
+    a.append("dropped", {"item": 3, "step": 2, "batch": 1, "reason": "expired"})
+    _rows(b, "consumed", _consumed(2, 1, items=[2, 3])[1:])
+    lines = (tmp_path / "consumed.jsonl").read_text().splitlines()
+    assert [json.loads(x).get("item") for x in lines] == [0, 1, None, 2, 2, 3]  # None: marker
+    assert [r["epoch"] for r in Ledger(tmp_path).rows("consumed")] == [1, 1, 2, 2]
+    assert Ledger(tmp_path).rows("dropped") == []
+    assert Ledger(tmp_path).superseded() == {"consumed": 1, "dropped": 1}
+    assert check_exactly_once(tmp_path) | {"reasons": None} == {
+        "consumed": 4,
+        "steps": 2,
+        "dropped": 0,
+        "reasons": None,
+        "superseded": 2,
+    }
+    assert b.position() == {"consumed": 4, "dropped": 0}
+    Ledger(tmp_path, epoch=3).truncate(b.position())
+    assert Ledger(tmp_path).superseded() == {"consumed": 0, "dropped": 0}
+    assert check_exactly_once(tmp_path)["consumed"] == 4
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["start", "append", "append", "append"]), st.integers(0, 9)),
+        max_size=30,
+    )
+)
+def test_ledger_counts_each_row_of_the_newest_incarnation_only(tmp_path, ops):
+    """Any interleaving of incarnations starting (each resuming from a position no later than
+    what counts) and appending, old ones included: what counts is what the newest wrote since
+    the position it started from, and the newest's position is its length."""
+    with tempfile.TemporaryDirectory(dir=tmp_path) as d:
+        ledgers, model, ids = [], {name: [] for name in FILES}, iter(range(10**6))
+        for op, k in ops:
+            if op == "start" or not ledgers:
+                new = Ledger(d, epoch=len(ledgers) + 1)
+                pos = {name: k % (len(model[name]) + 1) for name in FILES}
+                new.truncate(pos)
+                model = {name: model[name][: pos[name]] for name in FILES}
+                ledgers.append(new)
+                continue
+            who, name = ledgers[k % len(ledgers)], FILES[k % 2]
+            row = {"item": next(ids)}
+            who.append(name, row)
+            if who is ledgers[-1]:
+                model[name].append(row["item"])
+        for name in FILES:
+            assert [r["item"] for r in Ledger(d).rows(name)] == model[name]
+        if ledgers:
+            assert ledgers[-1].position() == {name: len(model[name]) for name in FILES}
 
 
 # -- the trainer's work queue and its verdicts, with fake rollouts -----------------------------

@@ -100,6 +100,14 @@ def test_jsonl_rows_local_and_on_a_store(tmp_path, gcs):
     assert JsonlFile(path).rows() == [{"a": 1}, {"a": 2}, {"a": 3}]
     store.replace([{"a": 1}])
     assert JsonlFile(path).rows() == [{"a": 1}] == store.rows()
+    # A writer that should have been the only one (an old trainer woken after its successor
+    # replaced the file) adds its rows after the other's: it does not put back what it last saw.
+    stale = JsonlFile(path)
+    assert stale.rows() == [{"a": 1}]
+    store.replace([{"a": 1}, {"ledger_epoch": 2}])
+    stale.append([{"a": 9}])
+    stale.flush()
+    assert JsonlFile(path).rows() == [{"a": 1}, {"ledger_epoch": 2}, {"a": 9}]
 
 
 def test_ledger_and_metrics_on_gs(gcs):

@@ -222,6 +222,22 @@ class Exchange:
     def epochs(self) -> list[int]:
         return self._ids("trainer/epoch-")
 
+    def superseded_at(self, epoch: int | None, step: int) -> str | None:
+        """Why a checkpoint trainer `epoch` saved at `step` is not this run's: a newer epoch had
+        started from an earlier step (the old trainer was past its fence check when it came),
+        so the newer one's lineage owns the steps after that; None when it is (or `epoch` is
+        unknown: a checkpoint from before epochs were recorded in it)."""
+        if epoch is None:
+            return None
+        for e in (e for e in self.epochs() if e > epoch):
+            start = (self.epoch_record(e) or {}).get("step")
+            if start is not None and int(start) < step:
+                return (
+                    f"was saved by trainer epoch {epoch} after epoch {e} had resumed from step "
+                    f"{start} (a superseded trainer past its fence check)"
+                )
+        return None
+
     def epoch_record(self, epoch: int) -> dict[str, Any] | None:
         raw, _ = self.read(f"trainer/epoch-{epoch:06d}")
         return None if raw is None else loads(raw)

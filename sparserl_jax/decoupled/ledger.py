@@ -6,6 +6,14 @@ Rows are appended (flushed and fsynced; to a URL run directory, once per step) b
 only. A trainer checkpoint records how many rows each file had; a resumed trainer first cuts
 both files back to that position (rows of steps it is about to redo), so a resume never
 duplicates a row.
+
+An old trainer still running (frozen, then woken) checks the exchange's fence before each
+verdict, but check and append are two operations: one paused between them appends its row
+after its successor started. So each row carries its incarnation (`epoch`), a resumed trainer
+writes its epoch as a marker row (`{"ledger_epoch": e}`) in the same atomic replace that cuts
+the files back, and a row of an older incarnation found after a newer one's marker is not
+counted (`rows`; `check_exactly_once` reports how many as `superseded`). The fence is kept
+by whoever reads the ledger, not only by the writer's check.
 """
 
 from __future__ import annotations
@@ -17,37 +25,64 @@ from typing import Any
 
 from sparserl_jax.storage import JsonlFile, run_path
 
-__all__ = ["FILES", "Ledger", "check_exactly_once"]
+__all__ = ["FILES", "MARK", "Ledger", "check_exactly_once"]
 
 FILES = ("consumed", "dropped")
+MARK = "ledger_epoch"  # the key of the marker row a trainer incarnation starts its rows with
+
+
+def _split(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """(the rows that count, how many an incarnation wrote after a newer one's marker)."""
+    floor, live, superseded = 0, [], 0
+    for r in rows:
+        if MARK in r:
+            floor = max(floor, int(r[MARK]))
+        elif int(r.get("epoch", floor)) < floor:
+            superseded += 1
+        else:
+            live.append(r)
+    return live, superseded
 
 
 class Ledger:
     """Append-only JSONL files `<run_dir>/consumed.jsonl` and `<run_dir>/dropped.jsonl` (a
     local directory or a URL: `storage.JsonlFile`; call `flush` before a checkpoint counts the
-    rows)."""
+    rows). The trainer opens it with its incarnation `epoch`: its rows are stamped with it and
+    its `truncate` writes the marker; readers pass none."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, epoch: int | None = None):
         self.dir = run_path(run_dir)
+        self.epoch = epoch
         self.files = {name: JsonlFile(self.dir / f"{name}.jsonl") for name in FILES}
         self._counts = {name: len(self.rows(name)) for name in FILES}
 
     def rows(self, name: str) -> list[dict[str, Any]]:
-        """The complete rows of one file (a torn last line, from a kill mid-write, is skipped)."""
-        return self.files[name].rows()
+        """The rows of one file that count: complete (a torn last line, from a kill mid-write,
+        is skipped), markers left out, and no row of an incarnation written after a newer one
+        started (module docstring)."""
+        return _split(self.files[name].rows())[0]
+
+    def superseded(self) -> dict[str, int]:
+        """Rows per file that a superseded incarnation wrote after its successor started."""
+        return {name: _split(self.files[name].rows())[1] for name in FILES}
 
     def position(self) -> dict[str, int]:
         """Rows per file: what a checkpoint records."""
         return dict(self._counts)
 
     def truncate(self, position: dict[str, int]) -> None:
-        """Keep the first `position[name]` rows of each file (atomically)."""
+        """Keep the first `position[name]` rows that count of each file, followed by this
+        incarnation's marker, in one atomic replace: an older incarnation's append lands
+        before the replace (and is cut) or after the marker (and is not counted)."""
+        mark = [] if self.epoch is None else [{MARK: self.epoch}]
         for name in FILES:
             keep = self.rows(name)[: int(position.get(name, 0))]
-            self.files[name].replace(keep)
+            self.files[name].replace(keep + mark)
             self._counts[name] = len(keep)
 
     def append(self, name: str, row: dict[str, Any]) -> None:
+        if self.epoch is not None:
+            row = {**row, "epoch": row.get("epoch", self.epoch)}
         self.files[name].append([row])
         self._counts[name] += 1
 
@@ -68,6 +103,9 @@ def check_exactly_once(run_dir: str | Path) -> dict[str, Any]:
     - the batches consumed, with those still pending when the trainer last stopped
       (`pending.json`), are 0..K-1 without a gap (a dropped item is re-issued in its batch;
       an abandoned one's batch comes again from the data state).
+
+    Rows a superseded incarnation appended after its successor started do not count (module
+    docstring); how many there were is returned as `superseded`.
     """
     ledger = Ledger(run_dir)
     consumed, dropped = ledger.rows("consumed"), ledger.rows("dropped")
@@ -120,4 +158,5 @@ def check_exactly_once(run_dir: str | Path) -> dict[str, Any]:
         "steps": len(steps),
         "dropped": len(dropped),
         "reasons": dict(reasons),
+        "superseded": sum(ledger.superseded().values()),
     }

@@ -109,8 +109,9 @@ class Events:
         sums = [self.ex.rollout_sha256(r.item) for r in rollouts]
         self._put({"kind": "step", "step": step, "items": [i.id for i in items], "sha256": sums})
 
-    def save(self, step: int) -> None:
-        self._put({"kind": "save", "step": step})
+    def save(self, step: int, aside: bool = False) -> None:
+        """Checkpoint `step` (`aside`: first move a superseded trainer's `step` aside)."""
+        self._put({"kind": "save", "step": step, "aside": aside})
 
     def stop(self, step: int) -> None:
         self._put({"kind": "stop", "step": step})

@@ -20,6 +20,7 @@ __all__ = [
     "WorkItem",
     "decode_rollout",
     "encode_rollout",
+    "token_staleness",
 ]
 
 
@@ -171,3 +172,20 @@ def decode_rollout(blob: bytes) -> Rollout:
         result,
         None if versions is None else {int(v): d for v, d in versions.items()},
     )
+
+
+def token_staleness(result: RolloutResult, version: int) -> dict[str, float]:
+    """Per completion token, the version trained minus the version it was sampled with, and the
+    fraction of sequences whose tokens came from more than one version (weights taken
+    mid-rollout)."""
+    if result.token_version is None:  # a blob from before per-token versions
+        return {}
+    mask = result.completion_mask
+    tv = np.where(mask, result.token_version, 0)
+    stale = (version - tv)[mask]
+    lo = np.where(mask, tv, np.iinfo(np.int32).max).min(axis=1)
+    return {
+        "async/token_staleness_mean": float(stale.mean()) if stale.size else 0.0,
+        "async/token_staleness_max": int(stale.max(initial=0)),
+        "async/spanning_versions_fraction": float(np.mean(tv.max(axis=1) > lo)),
+    }

@@ -53,6 +53,7 @@ from sparserl_jax.decoupled.exchange import Exchange, Rollout
 from sparserl_jax.decoupled.ledger import Ledger
 from sparserl_jax.decoupled.pulse import Pulse
 from sparserl_jax.decoupled.queue import WorkQueue
+from sparserl_jax.decoupled.records import token_staleness
 from sparserl_jax.metrics import (
     MetricsWriter,
     record_evaluation,
@@ -93,10 +94,12 @@ def exchange_url(cfg: Config) -> str | dict:
     }
 
 
-def _restore(cfg: Config, learner: Learner, model, tokenizer, ckpt, log_fn):
-    """(state, meta) from the newest checkpoint, or a warm start saved as step 0."""
+def _restore(cfg: Config, learner: Learner, model, tokenizer, ckpt, ex: Exchange, log_fn):
+    """(state, meta) from the newest checkpoint of this run's lineage (`superseded_at`), or a
+    warm start saved as step 0."""
     if cfg.train.resume and ckpt.steps():
-        restored = ckpt.restore_latest({"learner": learner.init(model)})
+        refuse = lambda meta: ex.superseded_at(meta.get("epoch"), int(meta["step"]))  # noqa: E731
+        restored = ckpt.restore_latest({"learner": learner.init(model)}, refuse)
         if restored is not None:
             log_fn(f"resumed from {ckpt.directory} at step {restored[1]['step']}")
             return restored[0]["learner"], restored[1]
@@ -188,10 +191,10 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
     model = build_model(cfg.model, mesh)
     learner = Learner(model, cfg.learner, mesh=mesh)
     ckpt = CheckpointManager(cfg.run_dir, keep=tcfg.keep_checkpoints, async_save=False)
-    state, meta = _restore(cfg, learner, model, tokenizer, ckpt, log_fn)
+    state, meta = _restore(cfg, learner, model, tokenizer, ckpt, ex, log_fn)
     start_step, version = int(meta["step"]), int(meta.get("sync_version", 0))
     qstate = meta.get("async")
-    ledger = Ledger(run_dir)
+    ledger = Ledger(run_dir, epoch=epoch)  # its rows stamped, its start marked
     ledger.truncate(qstate["ledger"] if qstate else {})
     kept = truncate_metrics(run_dir, start_step)
     ex.update_epoch(
@@ -253,9 +256,13 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
 
     def save(step: int) -> None:
         ex.check_fence()  # a superseded trainer writes no checkpoint
-        events.save(step)
+        aside = step in ckpt.steps(read=True)  # a superseded one's, saved past its check
+        events.save(step, aside)
+        if aside:
+            log_fn(f"checkpoint step {step}: {ckpt.move_aside(step)} (a superseded trainer's)")
         keep = range(publisher.version - acfg.max_staleness, publisher.version + 1)
         meta = {
+            "epoch": epoch,
             "data_state": iterator_state(queue.data_it),
             "sync_version": publisher.version,
             "sync_run_id": publisher.run_id,
@@ -287,7 +294,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
             items, rollouts = got
             result = RolloutResult.concat([r.result for r in rollouts])
             staleness_i = [publisher.version - r.weight_version for r in rollouts]
-            tokens = _token_staleness(result, publisher.version)
+            tokens = token_staleness(result, publisher.version)
             events.step(step, items, rollouts)
             out = learn_step(
                 cfg,
@@ -397,7 +404,7 @@ def _run_follower(cfg: Config, *, log_fn=print) -> dict[str, Any]:
     model = build_model(cfg.model, mesh)
     learner = Learner(model, cfg.learner, mesh=mesh)
     ckpt = CheckpointManager(cfg.run_dir, keep=cfg.train.keep_checkpoints, async_save=False)
-    state, _ = _restore(cfg, learner, model, tokenizer, ckpt, log_fn)
+    state, _ = _restore(cfg, learner, model, tokenizer, ckpt, ex, log_fn)
     start = processes.share_start(None)
     ex.fence(start["epoch"])  # a newer trainer's start stops this one at its next event
     pub = processes.publisher(ex, start["epoch"], cfg, start["version"], start["run_id"])
@@ -409,6 +416,8 @@ def _run_follower(cfg: Config, *, log_fn=print) -> dict[str, Any]:
     log_fn(f"trainer process {me}: epoch {start['epoch']}, step {step}, following process 0")
     while (ev := events.next())["kind"] != "stop":
         if ev["kind"] == "save":
+            if ev.get("aside"):
+                ckpt.move_aside(ev["step"])
             ckpt.save(ev["step"], {"learner": state}, {})  # the leader's meta is the one kept
             ckpt.wait()
             continue
@@ -430,20 +439,3 @@ def _run_follower(cfg: Config, *, log_fn=print) -> dict[str, Any]:
         ).state
     ckpt.close()
     return {"process": me, "end_step": step, "sync_version": pub.version}
-
-
-def _token_staleness(result: RolloutResult, version: int) -> dict[str, float]:
-    """Per completion token, the version trained minus the version it was sampled with, and the
-    fraction of sequences whose tokens came from more than one version (weights taken
-    mid-rollout)."""
-    if result.token_version is None:  # a blob from before per-token versions
-        return {}
-    mask = result.completion_mask
-    tv = np.where(mask, result.token_version, 0)
-    stale = (version - tv)[mask]
-    lo = np.where(mask, tv, np.iinfo(np.int32).max).min(axis=1)
-    return {
-        "async/token_staleness_mean": float(stale.mean()) if stale.size else 0.0,
-        "async/token_staleness_max": int(stale.max(initial=0)),
-        "async/spanning_versions_fraction": float(np.mean(tv.max(axis=1) > lo)),
-    }

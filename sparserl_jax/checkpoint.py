@@ -80,6 +80,16 @@ class CheckpointManager:
         when async. The arrays are copied before this returns, so the caller may donate them.
         The digests are computed first, on the devices (a pass over the state, no host copy)."""
         meta = dict(meta or {}, step=int(step))
+        gone = [
+            jax.tree_util.keystr(path)
+            for path, x in jax.tree_util.tree_leaves_with_path(state)
+            if isinstance(x, jax.Array) and x.is_deleted()
+        ]
+        if gone:  # reading them is an error at best (a crash was seen: a donated learner state)
+            raise ValueError(
+                f"checkpoint step {step}: {len(gone)} arrays of the state were deleted (donated "
+                f"to a later step?), e.g. {gone[0]}: save the state before it is donated"
+            )
         digests = {
             "format": DIGESTS_FORMAT,
             "arrays": array_digests(state),

@@ -7,6 +7,7 @@ import signal
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from sparserl_jax.checkpoint import CheckpointManager, PreemptionGuard
@@ -109,6 +110,15 @@ def test_a_refused_checkpoint_is_moved_aside_and_the_previous_one_restored(tmp_p
     assert_trees_equal(restored, _state(1))
     _assert_reported_and_moved(caplog, tmp_path, 2)
     assert any("checkpoint step 2 is epoch 1's; moved to" in r.getMessage() for r in caplog.records)
+
+
+def test_saving_a_donated_state_is_one_line_not_a_crash(tmp_path):
+    state = _state(1)
+    jax.jit(lambda t: jax.tree.map(lambda x: x + 1, t), donate_argnums=0)(state)
+    with CheckpointManager(tmp_path) as ckpt:
+        with pytest.raises(ValueError, match=r"step 3: \d+ arrays of the state were deleted"):
+            ckpt.save(3, state)
+        assert ckpt.steps() == []
 
 
 def test_empty_run_has_nothing_to_restore(tmp_path):

@@ -345,6 +345,42 @@ def test_a_finished_run_relaunched_with_more_steps_completes(tmp_path):
 
 
 @pytest.mark.slow
+def test_checkpoints_a_superseded_trainer_saved_are_moved_aside(tmp_path, monkeypatch):
+    """Checkpoints of epoch 1 saved after epoch 2 resumed from step 2 (an old trainer past its
+    fence check, woken late): one that lands while epoch 2 runs (step 4, before epoch 2 saves
+    step 4 itself) is moved aside before that save; one found at a restore (step 6) is moved
+    aside and the checkpoint before it restored. The run stays exactly once."""
+    from sparserl_jax.decoupled import trainer as trainer_module
+
+    ctx = ts.Context()
+    common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=0", *FAST]
+    cfg = {n: load_config(TINY, [*common, f"train.steps={n}"]) for n in (2, 4, 6)}
+    assert _threads(cfg[2], cfg[2], ctx)[0]["end_step"] == 2
+    restore, old = trainer_module._restore, {}
+
+    def plant(*args, **kwargs):  # the old trainer's step 4, once epoch 2 has restored step 2
+        state, meta = restore(*args, **kwargs)
+        copy = jax.tree.map(lambda x: x.copy(), state)  # the trainer donates its own
+        old.update(state=copy, meta={**meta, "epoch": 1})
+        with CheckpointManager(tmp_path, async_save=False) as ckpt:
+            ckpt.save(4, {"learner": state}, old["meta"])
+        return state, meta
+
+    monkeypatch.setattr(trainer_module, "_restore", plant)
+    summary, got = _threads(cfg[4], cfg[4], ctx, sampler_first_s=3.0)
+    assert (summary["epoch"], summary["start_step"], summary["end_step"]) == (2, 2, 4)
+    assert len(list((tmp_path / "checkpoints.corrupt").glob("4-*"))) == 1
+    monkeypatch.setattr(trainer_module, "_restore", restore)
+    with CheckpointManager(tmp_path, async_save=False) as ckpt:
+        assert ckpt.restore(4, {"learner": old["state"]})[1]["epoch"] == 2
+        ckpt.save(6, {"learner": old["state"]}, old["meta"])  # the old trainer's step 6
+    summary, got = _threads(cfg[6], cfg[6], ctx, sampler_first_s=3.0)
+    assert (summary["epoch"], summary["start_step"], summary["end_step"]) == (3, 4, 6)
+    assert len(list((tmp_path / "checkpoints.corrupt").glob("6-*"))) == 1
+    assert check_exactly_once(tmp_path)["steps"] == 6
+
+
+@pytest.mark.slow
 def test_samplers_wait_through_a_long_trainer_start(tmp_path, monkeypatch):
     """The trainer beats from its first moment: a sampler whose give-up time is shorter than
     the trainer's start-up (restore, warm start) waits instead of giving up."""

@@ -451,6 +451,25 @@ def test_queue_expires_a_claim_that_stops_changing(tmp_path):
     assert _batch(q) == [2, 1] and ex.item(2).reissue_of == 0 and q.counts["expired"] == 1
 
 
+def test_queue_opens_again_an_item_a_superseded_trainer_closed_late(tmp_path):
+    """An old trainer, frozen between its fence check and a verdict, closes an item its
+    successor has in flight and nobody has claimed: samplers would never claim it. The queue
+    reads an unclaimed item once per lease and opens it again; a claimed one is left alone."""
+    ex = Exchange("memory://")
+    ex.begin_epoch({"start_version": 0})
+    q = _queue(ex, tmp_path, staleness=0, lease_s=0.3)
+    q.fill(0)
+    claim = ex.claim(1, "s0")
+    ex.write("closed/000000000000", b"consumed")  # the old trainer's late verdict
+    ex.write("open/000000000000", None)
+    ok = lambda r: (True, "", 0)  # noqa: E731
+    assert q.ready_batch(1, 0, ok) is None and not ex.is_open(0)  # within the lease: no read
+    time.sleep(0.35)
+    ex.renew(claim)  # item 1's sampler is alive
+    assert q.ready_batch(1, 0, ok) is None and ex.is_open(0) and 0 not in ex.closed_ids()
+    assert ex.open_ids() == [0, 1] and _batch(q) == [0, 1] and q.counts == {}
+
+
 def test_queue_resume_abandons_later_items_and_reopens_in_flight(tmp_path):
     """A checkpoint taken with batches 0 and 1 in flight (items 0-3); the dead trainer then
     trained on batch 0 (closing 0 and 1) and issued batch 2 as items 4, 5. The resumed queue

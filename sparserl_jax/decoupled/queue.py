@@ -75,6 +75,7 @@ class WorkQueue:
         self.counts = collections.Counter()
         self.judged: list[int] = []  # since the last `collect`
         self._claims: dict[int, tuple[bytes, float]] = {}
+        self._unclaimed: dict[int, float] = {}  # in flight, nobody's claim seen: since when
         for i in self.in_flight():
             item = exchange.item(i)
             if item is None:  # written before the checkpoint that lists it: only a wiped exchange
@@ -177,6 +178,7 @@ class WorkQueue:
         self.counts[reason] += 1
         self.got.pop(i, None)
         self._claims.pop(i, None)
+        self._unclaimed.pop(i, None)
         if version is not None:
             self._reissue(i, version)
         self.items.pop(i, None)  # judged: a resume reads what it needs from the exchange
@@ -228,12 +230,20 @@ class WorkQueue:
 
     def _expire(self, step: int, version: int, ready: set[int]) -> None:
         """Drop (and re-issue) claimed items whose claim has not changed for `lease_s` seconds
-        of this process's clock: the claimer stopped renewing it (killed, hung or cut off)."""
+        of this process's clock: the claimer stopped renewing it (killed, hung or cut off).
+        An item nobody has claimed for `lease_s` is read once per `lease_s`: if it is closed,
+        a superseded trainer's verdict came late (docs/decoupled.md), so it is opened again."""
         now = time.monotonic()
         claimed = self.ex.claimed_ids()
         for i in self.in_flight():
             if i in ready or i not in claimed:
+                if i not in ready and now - self._unclaimed.setdefault(i, now) >= self.lease_s:
+                    self._unclaimed[i] = now
+                    if not self.ex.is_open(i):
+                        self.log(f"item {i}: closed by a superseded trainer; opened again")
+                        self.ex.reopen_item(i)
                 continue
+            self._unclaimed.pop(i, None)
             claim, gen = self.ex.claim_state(i)
             if claim is None:
                 continue
@@ -266,6 +276,7 @@ class WorkQueue:
             )
             self.got.pop(i, None)
             self._claims.pop(i, None)
+            self._unclaimed.pop(i, None)
             self.items.pop(i, None)
             self.judged.append(i)
 

@@ -72,8 +72,11 @@ class CheckpointManager:
         )
 
     def steps(self, *, read: bool = False) -> list[int]:
-        """The steps saved; `read`: list the directory again (another process may have saved)."""
-        return sorted(self._mngr.all_steps(read=read))
+        """The steps saved; `read`: list the directory again (another process may have saved;
+        no collective: one process may call it alone)."""
+        if read:
+            self._mngr.reload()
+        return sorted(self._mngr.all_steps())
 
     def save(self, step: int, state: Any, meta: dict | None = None, *, force: bool = True) -> None:
         """Start saving `state` (pytree of arrays) and `meta` (JSON) as `step`; returns at once

@@ -125,8 +125,9 @@ def _kill_spawned():
             proc.wait()
 
 
-def _spawn(*args, log: Path):
-    cmd = [sys.executable, "-m", "sparserl_jax", *args]
+def _spawn(*args, log: Path, code: str | None = None):
+    """`python -m sparserl_jax ARGS` (or `python -c CODE ARGS`) with its output in `log`."""
+    cmd = [sys.executable, *(["-c", code] if code else ["-m", "sparserl_jax"]), *args]
     with log.open("ab") as f:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=f, stderr=subprocess.STDOUT)
     _SPAWNED.append(proc)
@@ -271,20 +272,49 @@ def test_trainer_kill9_then_same_command_completes_exactly_once(tmp_path):
         assert kinds and all(read_header(tr.get(v, k))["format"] == 3 for v, k in kinds)
 
 
+# The trainer, stopping itself (SIGSTOP) past the fence check of its first verdict of step 3
+# (`close_item`) and before that item's ledger row: where CI once caught a woken trainer.
+_STOP_PAST_THE_CHECK = """
+import os, signal, sys
+from sparserl_jax.decoupled import ledger
+append = ledger.Ledger.append
+def stop_once(self, name, row):
+    if name == "consumed" and row["step"] == 3 and not os.environ.get("STOPPED"):
+        os.environ["STOPPED"] = "1"
+        os.kill(os.getpid(), signal.SIGSTOP)
+    append(self, name, row)
+ledger.Ledger.append = stop_once
+from sparserl_jax.cli import main
+sys.exit(main())
+"""
+
+
+def _stopped(proc) -> bool:
+    return Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+
+
 @pytest.mark.slow
-def test_an_old_trainer_resumed_with_sigcont_exits_without_writing(tmp_path):
-    """Trainer A is frozen (SIGSTOP) after its step-2 checkpoint; trainer B, the same command,
+@pytest.mark.parametrize("where", ["after_its_checkpoint", "past_its_fence_check"])
+def test_an_old_trainer_resumed_with_sigcont_exits_without_writing(tmp_path, where):
+    """Trainer A is frozen (SIGSTOP) after its step-2 checkpoint, or (deterministically) past
+    the fence check of a verdict and before its ledger row; trainer B, the same command,
     registers epoch 2, resumes and trains; A, resumed with SIGCONT, exits 5 at its next write
-    (the fence) and writes nothing: every ledger row after the checkpoint B resumed from is
-    epoch 2's, no checkpoint appears while A runs again, and the run completes exactly once."""
+    (the fence) and nothing it writes counts: the ledger's rows read the same (a row written
+    past the check is in the file, after B's marker, and is counted as `superseded`), every row
+    after the checkpoint B resumed from is epoch 2's, no checkpoint appears while A runs again,
+    and the run completes exactly once."""
     run = tmp_path / "run"
     common = [TINY, f"run_dir={run}", "train.steps=6", "train.save_every=2"]
     common += ["async.max_staleness=1", "exchange.lease_s=8", *FAST]
     alog, blog, slog = (tmp_path / f"{x}.log" for x in ("a", "b", "sampler"))
     sampler = _spawn("sampler", *common[:1], "--id", "0", *common[1:], log=slog)
-    a = _spawn("trainer", *common, log=alog)
-    _wait_for(lambda: (run / "checkpoints" / "2").is_dir(), a, "checkpoint 2")
-    a.send_signal(signal.SIGSTOP)
+    past = where == "past_its_fence_check"
+    a = _spawn("trainer", *common, log=alog, code=_STOP_PAST_THE_CHECK if past else None)
+    if past:
+        _wait_for(lambda: _stopped(a), a, "the trainer past its fence check")
+    else:
+        _wait_for(lambda: (run / "checkpoints" / "2").is_dir(), a, "checkpoint 2")
+        a.send_signal(signal.SIGSTOP)
     try:
         b = _spawn("trainer", *common, log=blog)
         _wait_for(
@@ -298,12 +328,15 @@ def test_an_old_trainer_resumed_with_sigcont_exits_without_writing(tmp_path):
         assert "trainer epoch 1 was superseded" in alog.read_text()
         assert (Ledger(run).rows("consumed"), Ledger(run).rows("dropped")) == before
         assert sorted(os.listdir(run / "checkpoints")) == checkpoints
+        if past:  # the race was run: A's row is in the file, not counted
+            assert Ledger(run).superseded() == {"consumed": 1, "dropped": 0}
     finally:
         a.send_signal(signal.SIGCONT)
         b.send_signal(signal.SIGCONT)
     assert b.wait(timeout=900) == 0, blog.read_text()[-3000:]
     assert sampler.wait(timeout=120) == 0, slog.read_text()[-3000:]
-    assert check_exactly_once(run)["steps"] == 6
+    done = check_exactly_once(run)
+    assert done["steps"] == 6 and (done["superseded"] == 1 or not past)
     start = json.loads(blog.read_text().strip().splitlines()[-1])["start_step"]
     rows = Ledger(run).rows("consumed")
     assert start >= 2 and {r["epoch"] for r in rows if r["step"] > start} == {2}

@@ -272,18 +272,28 @@ def test_trainer_kill9_then_same_command_completes_exactly_once(tmp_path):
         assert kinds and all(read_header(tr.get(v, k))["format"] == 3 for v, k in kinds)
 
 
-# The trainer, stopping itself (SIGSTOP) past the fence check of its first verdict of step 3
-# (`close_item`) and before that item's ledger row: where CI once caught a woken trainer.
-_STOP_PAST_THE_CHECK = """
+# The trainer, stopping itself (SIGSTOP) at a chosen point: right after its step-2 checkpoint,
+# or past the fence check of its first verdict of step 3 (`close_item`) and before that item's
+# ledger row (where CI once caught a woken trainer). An outside SIGSTOP at a random moment can
+# catch it mid-write on the file exchange, holding that key's lock (docs/decoupled.md).
+_STOP_AT = """
 import os, signal, sys
+from sparserl_jax import checkpoint
 from sparserl_jax.decoupled import ledger
-append = ledger.Ledger.append
-def stop_once(self, name, row):
-    if name == "consumed" and row["step"] == 3 and not os.environ.get("STOPPED"):
+def stop_once():
+    if not os.environ.get("STOPPED"):
         os.environ["STOPPED"] = "1"
         os.kill(os.getpid(), signal.SIGSTOP)
+append, wait = ledger.Ledger.append, checkpoint.CheckpointManager.wait
+def append_stop(self, name, row):
+    if WHERE == "past_its_fence_check" and name == "consumed" and row["step"] == 3:
+        stop_once()
     append(self, name, row)
-ledger.Ledger.append = stop_once
+def wait_stop(self):
+    wait(self)
+    if WHERE == "after_its_checkpoint" and self.steps() and self.steps()[-1] == 2:
+        stop_once()
+ledger.Ledger.append, checkpoint.CheckpointManager.wait = append_stop, wait_stop
 from sparserl_jax.cli import main
 sys.exit(main())
 """
@@ -296,9 +306,9 @@ def _stopped(proc) -> bool:
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["after_its_checkpoint", "past_its_fence_check"])
 def test_an_old_trainer_resumed_with_sigcont_exits_without_writing(tmp_path, where):
-    """Trainer A is frozen (SIGSTOP) after its step-2 checkpoint, or (deterministically) past
-    the fence check of a verdict and before its ledger row; trainer B, the same command,
-    registers epoch 2, resumes and trains; A, resumed with SIGCONT, exits 5 at its next write
+    """Trainer A freezes (SIGSTOP) after its step-2 checkpoint, or past the fence check of a
+    verdict and before its ledger row; trainer B, the same command, registers epoch 2,
+    resumes and trains; A, resumed with SIGCONT, exits 5 at its next write
     (the fence) and nothing it writes counts: the ledger's rows read the same (a row written
     past the check is in the file, after B's marker, and is counted as `superseded`), every row
     after the checkpoint B resumed from is epoch 2's, no checkpoint appears while A runs again,
@@ -309,12 +319,8 @@ def test_an_old_trainer_resumed_with_sigcont_exits_without_writing(tmp_path, whe
     alog, blog, slog = (tmp_path / f"{x}.log" for x in ("a", "b", "sampler"))
     sampler = _spawn("sampler", *common[:1], "--id", "0", *common[1:], log=slog)
     past = where == "past_its_fence_check"
-    a = _spawn("trainer", *common, log=alog, code=_STOP_PAST_THE_CHECK if past else None)
-    if past:
-        _wait_for(lambda: _stopped(a), a, "the trainer past its fence check")
-    else:
-        _wait_for(lambda: (run / "checkpoints" / "2").is_dir(), a, "checkpoint 2")
-        a.send_signal(signal.SIGSTOP)
+    a = _spawn("trainer", *common, log=alog, code=f"WHERE = {where!r}\n{_STOP_AT}")
+    _wait_for(lambda: _stopped(a), a, f"the trainer stopped {where}")
     try:
         b = _spawn("trainer", *common, log=blog)
         _wait_for(

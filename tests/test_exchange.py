@@ -545,6 +545,15 @@ def test_transient_failures_are_retried_then_named_in_one_line():
         ex.item(0)
 
 
+def test_a_timeout_on_the_file_driver_names_a_paused_writer(tmp_path):
+    """A process stopped mid-write (SIGSTOP: an old trainer frozen) holds that key's lock in the
+    file driver; a successor's writes to the key time out. The line says what may hold it."""
+    ex = Exchange(f"file://{tmp_path}/x/", retries=1)
+    _flaky(ex, lost={"write": 2})  # each attempt times out
+    with pytest.raises(ExchangeError, match=r"write open/0+ failed 2 times: .*paused mid-write"):
+        ex.write("open/000000000000", b"")
+
+
 def test_a_lost_reply_of_a_conditional_write_is_not_a_lost_claim():
     ex = Exchange("memory://", retries=2)
     kv = _flaky(ex, lost={"write": 1})

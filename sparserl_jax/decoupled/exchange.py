@@ -111,6 +111,7 @@ class Exchange:
         self._kv = self._tried(
             "open", lambda: ts.KvStore.open(url, context=self.context).result(timeout=timeout)
         )
+        self.driver = self._kv.spec().to_json().get("driver")
 
     # -- primitives ---------------------------------------------------------------------------
 
@@ -122,6 +123,12 @@ class Exchange:
             except TRANSIENT as e:
                 if attempt == self.retries:
                     msg = " ".join(str(e).split()) or type(e).__name__
+                    if isinstance(e, TimeoutError) and getattr(self, "driver", "") == "file":
+                        msg += (
+                            " (the file driver locks a key while it is written: a process "
+                            "paused mid-write, e.g. a stopped old trainer, holds it until it "
+                            "resumes or is killed; docs/decoupled.md)"
+                        )
                     raise ExchangeError(
                         f"exchange {self.url}: {what} failed {attempt + 1} times: {msg}"
                     ) from e

@@ -71,12 +71,21 @@ class CheckpointManager:
             self.directory, options=options, item_names=("state", "meta", "digests")
         )
 
-    def steps(self, *, read: bool = False) -> list[int]:
-        """The steps saved; `read`: list the directory again (another process may have saved;
-        no collective: one process may call it alone)."""
-        if read:
-            self._mngr.reload()
+    def steps(self) -> list[int]:
         return sorted(self._mngr.all_steps())
+
+    def has(self, step: int) -> bool:
+        """Whether step `step` is on storage now (another process may have saved it)."""
+        return (self.directory / str(step)).exists()
+
+    def meta(self, step: int) -> dict:
+        """Step `step`'s meta alone, read from its file (no collective: one process may call
+        it alone; not verified: `restore` checks it against its digest)."""
+        path = self.directory / str(step) / "meta" / "metadata"
+        try:
+            return dict(json.loads(path.read_text()))
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"checkpoint step {step}: {path} is unreadable: {e}") from e
 
     def save(self, step: int, state: Any, meta: dict | None = None, *, force: bool = True) -> None:
         """Start saving `state` (pytree of arrays) and `meta` (JSON) as `step`; returns at once
@@ -168,11 +177,10 @@ class CheckpointManager:
         """
         for step in reversed(self.steps()):
             try:
-                state, meta = self.restore(step, abstract_state)
-                why = refuse(meta) if refuse is not None else None
-                if why is None:
-                    return state, meta
-                raise CheckpointError(f"checkpoint step {step} {why}")
+                why = refuse(self.meta(step)) if refuse is not None else None
+                if why is not None:  # judged on the meta alone: no state read for it
+                    raise CheckpointError(f"checkpoint step {step} {why}")
+                return self.restore(step, abstract_state)
             except CheckpointError as e:
                 moved = self.move_aside(step) or "checkpoints.corrupt/ (by process 0)"
                 log.warning("%s; moved to %s, falling back to the previous checkpoint", e, moved)

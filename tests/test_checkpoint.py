@@ -105,11 +105,27 @@ def test_a_refused_checkpoint_is_moved_aside_and_the_previous_one_restored(tmp_p
     with CheckpointManager(tmp_path, keep=3) as ckpt:
         refuse = lambda meta: "is epoch 1's" if meta["epoch"] == 1 else None  # noqa: E731
         restored, meta = ckpt.restore_latest(_state(0), refuse)
-        assert ckpt.steps() == [1] and ckpt.steps(read=True) == [1]
+        assert ckpt.steps() == [1] and not ckpt.has(2) and ckpt.meta(1) == {"epoch": 2, "step": 1}
     assert meta["step"] == 1
     assert_trees_equal(restored, _state(1))
     _assert_reported_and_moved(caplog, tmp_path, 2)
     assert any("checkpoint step 2 is epoch 1's; moved to" in r.getMessage() for r in caplog.records)
+
+
+def test_a_step_already_saved_is_moved_aside_only_when_an_older_epoch_saved_it(tmp_path):
+    """The decoupled trainer's check before it saves a step: absent, save; an older epoch's
+    (saved past its fence check), move it aside; its own epoch's or a newer one's, stop."""
+    from sparserl_jax.decoupled.exchange import SupersededError
+    from sparserl_jax.decoupled.processes import older_checkpoint
+
+    with CheckpointManager(tmp_path, async_save=False) as ckpt:
+        ckpt.save(4, _state(4), {"epoch": 1})
+        ckpt.save(6, _state(6), {"epoch": 3})
+        assert older_checkpoint(ckpt, 2, epoch=2) is False
+        assert older_checkpoint(ckpt, 4, epoch=2) is True
+        with pytest.raises(SupersededError, match="step 6 is a newer trainer's: epoch 2 stops"):
+            older_checkpoint(ckpt, 6, epoch=2)
+        assert ckpt.has(6) and ckpt.steps() == [4, 6]
 
 
 def test_saving_a_donated_state_is_one_line_not_a_crash(tmp_path):

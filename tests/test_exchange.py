@@ -306,6 +306,10 @@ def test_rows_an_old_trainer_appends_after_its_successor_started_do_not_count(tm
     Ledger(tmp_path, epoch=3).truncate(b.position())
     assert Ledger(tmp_path).superseded() == {"consumed": 0, "dropped": 0}
     assert check_exactly_once(tmp_path)["consumed"] == 4
+    # An older epoch's start-up, slower than epoch 3's, does not cut epoch 3's rows.
+    with pytest.raises(SupersededError, match="already holds epoch 3's rows"):
+        Ledger(tmp_path, epoch=2).truncate(pos)
+    assert check_exactly_once(tmp_path)["consumed"] == 4
 
 
 @settings(

@@ -23,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from sparserl_jax.decoupled.exchange import SupersededError
 from sparserl_jax.storage import JsonlFile, run_path
 
 __all__ = ["FILES", "MARK", "Ledger", "check_exactly_once"]
@@ -76,6 +77,12 @@ class Ledger:
         before the replace (and is cut) or after the marker (and is not counted)."""
         mark = [] if self.epoch is None else [{MARK: self.epoch}]
         for name in FILES:
+            newer = [r[MARK] for r in self.files[name].rows() if r.get(MARK, 0) > (self.epoch or 0)]
+            if self.epoch is not None and newer:
+                raise SupersededError(
+                    f"trainer epoch {self.epoch}: the ledger already holds epoch {max(newer)}'s "
+                    "rows; this one stops without cutting it"
+                )
             keep = self.rows(name)[: int(position.get(name, 0))]
             self.files[name].replace(keep + mark)
             self._counts[name] = len(keep)

@@ -22,8 +22,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from sparserl_jax.checkpoint import CheckpointManager
 from sparserl_jax.config import Config
-from sparserl_jax.decoupled.exchange import Exchange
+from sparserl_jax.decoupled.exchange import Exchange, SupersededError
 from sparserl_jax.sync.loco_runtime import init_cpu_distributed
 from sparserl_jax.sync.parts import PartPublisher
 
@@ -136,3 +137,14 @@ class Events:
                     f"and no event {self.n} of epoch {self.epoch}; stopping this process too"
                 )
             time.sleep(self.poll_s)
+
+
+def older_checkpoint(ckpt: CheckpointManager, step: int, epoch: int) -> bool:
+    """Before trainer `epoch` saves `step`: whether that step is already there, saved by an
+    older epoch past its fence check (to be moved aside); a newer epoch's means this trainer is
+    the superseded one: `SupersededError`, and the checkpoint is left alone."""
+    if not ckpt.has(step):
+        return False
+    if ckpt.meta(step).get("epoch", 0) >= epoch:
+        raise SupersededError(f"checkpoint step {step} is a newer trainer's: epoch {epoch} stops")
+    return True

@@ -194,12 +194,14 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
     state, meta = _restore(cfg, learner, model, tokenizer, ckpt, ex, log_fn)
     start_step, version = int(meta["step"]), int(meta.get("sync_version", 0))
     qstate = meta.get("async")
-    ledger = Ledger(run_dir, epoch=epoch)  # its rows stamped, its start marked
-    ledger.truncate(qstate["ledger"] if qstate else {})
-    kept = truncate_metrics(run_dir, start_step)
+    # Recorded (fenced) before the files are cut: a checkpoint an older epoch saves from now on
+    # after this step is refused (`Exchange.superseded_at`), and a newer epoch stops this one.
     ex.update_epoch(
         epoch, {"start_version": version, "step": start_step, "pid": os.getpid(), "starting": False}
     )
+    ledger = Ledger(run_dir, epoch=epoch)  # its rows stamped, its start marked
+    ledger.truncate(qstate["ledger"] if qstate else {})
+    kept = truncate_metrics(run_dir, start_step)
     if processes.multi_process():  # every process publishes its shards (`sync.parts`)
         run_id = meta.get("sync_run_id")
         processes.share_start(
@@ -256,7 +258,7 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
 
     def save(step: int) -> None:
         ex.check_fence()  # a superseded trainer writes no checkpoint
-        aside = step in ckpt.steps(read=True)  # a superseded one's, saved past its check
+        aside = processes.older_checkpoint(ckpt, step, epoch)
         events.save(step, aside)
         if aside:
             log_fn(f"checkpoint step {step}: {ckpt.move_aside(step)} (a superseded trainer's)")

@@ -126,6 +126,8 @@ def test_a_step_already_saved_is_moved_aside_only_when_an_older_epoch_saved_it(t
         with pytest.raises(SupersededError, match="step 6 is a newer trainer's: epoch 2 stops"):
             older_checkpoint(ckpt, 6, epoch=2)
         assert ckpt.has(6) and ckpt.steps() == [4, 6]
+        (tmp_path / "checkpoints" / "8" / "state").mkdir(parents=True)  # a save cut off
+        assert older_checkpoint(ckpt, 8, epoch=2) is True
 
 
 def test_saving_a_donated_state_is_one_line_not_a_crash(tmp_path):

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sparserl_jax.checkpoint import CheckpointManager
+from sparserl_jax.checkpoint import CheckpointError, CheckpointManager
 from sparserl_jax.config import Config
 from sparserl_jax.decoupled.exchange import Exchange, SupersededError
 from sparserl_jax.sync.loco_runtime import init_cpu_distributed
@@ -141,10 +141,15 @@ class Events:
 
 def older_checkpoint(ckpt: CheckpointManager, step: int, epoch: int) -> bool:
     """Before trainer `epoch` saves `step`: whether that step is already there, saved by an
-    older epoch past its fence check (to be moved aside); a newer epoch's means this trainer is
-    the superseded one: `SupersededError`, and the checkpoint is left alone."""
+    older epoch past its fence check, or its save cut off (to be moved aside); a newer epoch's
+    means this trainer is the superseded one: `SupersededError`, and the checkpoint is left
+    alone."""
     if not ckpt.has(step):
         return False
-    if ckpt.meta(step).get("epoch", 0) >= epoch:
+    try:
+        there = ckpt.meta(step).get("epoch", 0)
+    except CheckpointError:  # a save cut off (a trainer killed mid-save on an object store)
+        return True
+    if there >= epoch:
         raise SupersededError(f"checkpoint step {step} is a newer trainer's: epoch {epoch} stops")
     return True

@@ -79,8 +79,7 @@ class CheckpointManager:
         return (self.directory / str(step)).exists()
 
     def meta(self, step: int) -> dict:
-        """Step `step`'s meta alone, read from its file (no collective: one process may call
-        it alone; not verified: `restore` checks it against its digest)."""
+        """Step `step`'s meta from its file (no collective; unverified: `restore` verifies)."""
         path = self.directory / str(step) / "meta" / "metadata"
         try:
             return dict(json.loads(path.read_text()))
@@ -92,11 +91,8 @@ class CheckpointManager:
         when async. The arrays are copied before this returns, so the caller may donate them.
         The digests are computed first, on the devices (a pass over the state, no host copy)."""
         meta = dict(meta or {}, step=int(step))
-        gone = [
-            jax.tree_util.keystr(path)
-            for path, x in jax.tree_util.tree_leaves_with_path(state)
-            if isinstance(x, jax.Array) and x.is_deleted()
-        ]
+        leaves = jax.tree_util.tree_leaves_with_path(state)
+        gone = [jax.tree_util.keystr(p) for p, x in leaves if getattr(x, "is_deleted", bool)()]
         if gone:  # reading them is an error at best (a crash was seen: a donated learner state)
             raise ValueError(
                 f"checkpoint step {step}: {len(gone)} arrays of the state were deleted (donated "

@@ -108,6 +108,7 @@ class Exchange:
         self.context = context if context is not None else ts.Context()
         self.timeout, self.retries, self.backoff_s = timeout, retries, backoff_s
         self.fence_epoch: int | None = None  # `fence`
+        self.driver: str | None = None  # the kvstore driver, once open
         self._kv = self._tried(
             "open", lambda: ts.KvStore.open(url, context=self.context).result(timeout=timeout)
         )
@@ -123,7 +124,7 @@ class Exchange:
             except TRANSIENT as e:
                 if attempt == self.retries:
                     msg = " ".join(str(e).split()) or type(e).__name__
-                    if isinstance(e, TimeoutError) and getattr(self, "driver", "") == "file":
+                    if isinstance(e, TimeoutError) and self.driver == "file":
                         msg += (
                             " (the file driver locks a key while it is written: a process "
                             "paused mid-write, e.g. a stopped old trainer, holds it until it "

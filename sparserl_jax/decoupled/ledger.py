@@ -77,13 +77,14 @@ class Ledger:
         before the replace (and is cut) or after the marker (and is not counted)."""
         mark = [] if self.epoch is None else [{MARK: self.epoch}]
         for name in FILES:
-            newer = [r[MARK] for r in self.files[name].rows() if r.get(MARK, 0) > (self.epoch or 0)]
-            if self.epoch is not None and newer:
+            raw = self.files[name].rows()
+            newer = [r[MARK] for r in raw if self.epoch is not None and r.get(MARK, 0) > self.epoch]
+            if newer:
                 raise SupersededError(
                     f"trainer epoch {self.epoch}: the ledger already holds epoch {max(newer)}'s "
                     "rows; this one stops without cutting it"
                 )
-            keep = self.rows(name)[: int(position.get(name, 0))]
+            keep = _split(raw)[0][: int(position.get(name, 0))]
             self.files[name].replace(keep + mark)
             self._counts[name] = len(keep)
 

@@ -236,8 +236,10 @@ class WorkQueue:
         now = time.monotonic()
         claimed = self.ex.claimed_ids()
         for i in self.in_flight():
-            if i in ready or i not in claimed:
-                if i not in ready and now - self._unclaimed.setdefault(i, now) >= self.lease_s:
+            if i in ready:
+                continue
+            if i not in claimed:
+                if now - self._unclaimed.setdefault(i, now) >= self.lease_s:
                     self._unclaimed[i] = now
                     if not self.ex.is_open(i):
                         self.log(f"item {i}: closed by a superseded trainer; opened again")

@@ -201,6 +201,11 @@ def _sft_view(config: dict) -> dict:
     return view
 
 
+# The SFT settings of the warm start in progress under `sft/` (written before it starts), so a
+# study cut off during its SFT resumes it instead of starting over.
+_SFT_VIEW = "sft_view.json"
+
+
 def _sft_done(cfg: Config) -> bool:
     """Whether `cfg.run_dir` holds a finished warm start made with `cfg`'s SFT settings."""
     done = Path(cfg.run_dir) / "done.json"
@@ -350,9 +355,14 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                 f"no finished SFT start of this config in {sft_dir}: nothing to report"
             )
         log(f"SFT warm start -> {sft_dir}")
-        # Every run of the study descends from the SFT start: a new one voids them all.
-        for old in ("sft", "signature", "runs"):
+        # Every run of the study descends from the SFT start: a new one voids them all. One
+        # of these settings cut off mid-way is kept: the warm start resumes from its progress.
+        view = sft_dir / _SFT_VIEW
+        keep = view.exists() and json.loads(view.read_text()) == _sft_view(_as_saved(sft))
+        for old in ("signature", "runs") if keep else ("sft", "signature", "runs"):
             shutil.rmtree(out / old, ignore_errors=True)
+        sft_dir.mkdir(parents=True, exist_ok=True)
+        view.write_text(json.dumps(_sft_view(_as_saved(sft))))
         _train(sft, log)
     base = study.cfg()
     prompt_tokens = _mean_prompt_tokens(base)

@@ -203,6 +203,44 @@ def test_a_run_cut_off_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert _numbers(read_metrics(cfg.run_dir)) == whole
 
 
+def test_an_sft_start_cut_off_resumes_and_one_of_other_settings_starts_over(tmp_path, monkeypatch):
+    """A study cut off during its SFT keeps the warm start's progress for the same command to
+    resume (it used to delete it and start over: 640 of 800 steps lost); one of other SFT
+    settings, or of unknown settings (no record of them), is started over."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import repro_sparse_rl as study
+
+    monkeypatch.chdir(ROOT)
+    out = tmp_path / "study"
+    seen = []
+
+    def cut_off(cfg, log):  # the SFT's progress is on disk when the session ends
+        seen.append(sorted(p.name for p in Path(cfg.run_dir).iterdir()))
+        (Path(cfg.run_dir) / "sft_progress").mkdir(exist_ok=True)
+        raise study.RunStopped("cut off")
+
+    monkeypatch.setattr(study, "_train", cut_off)
+
+    def attempt(*overrides):
+        plan = study.Study(config="configs/tiny.yaml", out_dir=str(out), overrides=overrides)
+        with pytest.raises(study.RunStopped):
+            study.run_study(plan, log=lambda m: None)
+
+    (out / "sft" / "sft_progress").mkdir(parents=True)  # of unknown settings (no record)
+    (out / "runs" / "dense_s0").mkdir(parents=True)
+    attempt()
+    attempt()
+    attempt("data.batch_size=3")  # RL batching: the same warm start
+    assert not (out / "runs").exists()
+    attempt("sft.steps=3")
+    assert seen == [
+        ["sft_view.json"],
+        ["sft_progress", "sft_view.json"],
+        ["sft_progress", "sft_view.json"],
+        ["sft_view.json"],
+    ]
+
+
 def test_finished_only_starts_nothing_and_deletes_nothing(tmp_path, monkeypatch):
     """`--finished-only` reads what is on disk: a run not finished raises `NotFinished` before
     anything is copied or trained, and a study whose SFT start is missing stops in one line

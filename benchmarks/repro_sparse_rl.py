@@ -357,12 +357,12 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
         log(f"SFT warm start -> {sft_dir}")
         # Every run of the study descends from the SFT start: a new one voids them all. One
         # of these settings cut off mid-way is kept: the warm start resumes from its progress.
-        view = sft_dir / _SFT_VIEW
-        keep = view.exists() and json.loads(view.read_text()) == _sft_view(_as_saved(sft))
+        view, settings = sft_dir / _SFT_VIEW, _sft_view(_as_saved(sft))
+        keep = view.exists() and json.loads(view.read_text()) == settings
         for old in ("signature", "runs") if keep else ("sft", "signature", "runs"):
             shutil.rmtree(out / old, ignore_errors=True)
         sft_dir.mkdir(parents=True, exist_ok=True)
-        view.write_text(json.dumps(_sft_view(_as_saved(sft))))
+        view.write_text(json.dumps(settings))
         _train(sft, log)
     base = study.cfg()
     prompt_tokens = _mean_prompt_tokens(base)

@@ -26,6 +26,14 @@ the count so far and the running sum, `7*40=` -> `1: 7`, `2: 14`, ..., `40: 280`
 what the next line needs is small: the prompt (a, and b to know when to stop) and the line
 above, so a KV budget of a few lines holds the whole working set.
 
+`tags: n` (with `repeat`) writes n letters in place of each line's `: `, `7*40=` -> `1wz7`,
+`2yx14`, ...: letter i of line k copies letter i of line k - 10 (the last line whose count ends in
+the same digit, about 80 tokens back) with probability `tag_copy`, else it is drawn uniformly
+from `wxyz` (the first ten lines draw all theirs). The answer never needs them; they are tokens
+whose distribution depends on context far behind the working set, which a KV budget can evict:
+the per-token entropy of free choices (what a language model's reasoning has and a pure
+computation lacks) for the sparse-vs-dense mismatch to show in.
+
 Subtraction with `a < b` first writes `a<b, so compute b-a and negate`. Division is exact (the
 dividend is drawn as divisor * quotient) and runs long division: `cur/b=q rem r` per dividend digit.
 
@@ -124,19 +132,44 @@ def _running_add_lines(a: int, b: int) -> list[str]:
             return lines
 
 
-def _repeat_lines(a: int, b: int) -> list[str]:
-    return [f"{k}: {a * k}" for k in range(1, b + 1)]
+TAG_LETTERS, TAG_LAG = "wxyz", 10
 
 
-def solve(a: int, op: str, b: int, *, scratchpad: str = "columns") -> tuple[int, str]:
+def _repeat_lines(a: int, b: int, tags: int, tag_copy: float, rng) -> list[str]:
+    if not tags:
+        return [f"{k}: {a * k}" for k in range(1, b + 1)]
+    drawn: list[str] = []
+    for k in range(b):
+        fresh = rng.integers(len(TAG_LETTERS), size=tags)
+        copy = rng.random(tags) < tag_copy if k >= TAG_LAG else np.zeros(tags, bool)
+        above = drawn[k - TAG_LAG] if k >= TAG_LAG else ""
+        drawn.append(
+            "".join(above[i] if copy[i] else TAG_LETTERS[int(fresh[i])] for i in range(tags))
+        )
+    return [f"{k}{tag}{a * k}" for k, tag in enumerate(drawn, start=1)]
+
+
+def solve(
+    a: int,
+    op: str,
+    b: int,
+    *,
+    scratchpad: str = "columns",
+    tags: int = 0,
+    tag_copy: float = 0.0,
+    rng: np.random.Generator | None = None,
+) -> tuple[int, str]:
     """The exact result of `a op b` and its ideal completion (scratchpad + answer line).
 
     Division must be exact (`a % b == 0`); operands are non-negative integers. `scratchpad`:
     `columns` (every operator), `running` (`+` only) or `repeat` (`*` only, b >= 1); the
-    module docstring shows them.
+    module docstring shows them. `tags` > 0 (`repeat` only) draws the lines' tag letters
+    from `rng`.
     """
     if a < 0 or b < 0:
         raise ValueError(f"operands must be non-negative, got {a}, {b}")
+    if tags and (scratchpad != "repeat" or rng is None):
+        raise ValueError(f"tags are for the repeat scratchpad and need an rng, got {scratchpad!r}")
     if scratchpad == "running":
         if op != "+":
             raise ValueError(f"the running scratchpad is for '+' only, got {op!r}")
@@ -144,7 +177,7 @@ def solve(a: int, op: str, b: int, *, scratchpad: str = "columns") -> tuple[int,
     elif scratchpad == "repeat":
         if op != "*" or b < 1:
             raise ValueError(f"the repeat scratchpad is for a*b with b >= 1, got {a}{op}{b}")
-        result, lines = a * b, _repeat_lines(a, b)
+        result, lines = a * b, _repeat_lines(a, b, tags, tag_copy, rng)
     elif scratchpad != "columns":
         raise ValueError(f"scratchpad {scratchpad!r} unknown; expected columns, running or repeat")
     elif op == "+":
@@ -184,7 +217,9 @@ def make_arithmetic_example(cfg: ArithmeticConfig, *, seed: int, split: str, ind
         a = b * _draw(rng, n_a)
     else:
         a, b = _draw(rng, n_a), _draw(rng, n_b)
-    result, completion = solve(a, op, b, scratchpad=cfg.scratchpad)
+    result, completion = solve(
+        a, op, b, scratchpad=cfg.scratchpad, tags=cfg.tags, tag_copy=cfg.tag_copy, rng=rng
+    )
     return Example(
         prompt=f"{a}{op}{b}=",
         answer=str(result),

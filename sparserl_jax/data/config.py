@@ -29,6 +29,10 @@ class ArithmeticConfig:
         b additions of a, one short line per addition; see `data/arithmetic.py`).
       min_repeats, max_repeats: with `repeat`, the multiplier b is drawn from this range (so the
         completion has b + 1 lines); a has min..max_digits digits as usual.
+      tags, tag_copy: with `repeat`, `tags` letters in place of each line's `: `, each a copy
+        of its counterpart ten lines above with probability `tag_copy`, else uniform over
+        `wxyz` (0: none); tokens the answer never needs, whose distribution depends on
+        context far back (see `data/arithmetic.py`).
       num_examples: size of one epoch of distinct problem indices (problems are a pure function of
         `(seed, split, index)`, so this costs no memory).
     """
@@ -39,6 +43,8 @@ class ArithmeticConfig:
     scratchpad: Literal["columns", "running", "repeat"] = "columns"
     min_repeats: int = 40
     max_repeats: int = 70
+    tags: int = 0
+    tag_copy: float = 0.75
     num_examples: int = 100_000
 
     def __post_init__(self):
@@ -70,6 +76,13 @@ class ArithmeticConfig:
                 "arithmetic repeats need 1 <= min_repeats <= max_repeats, got "
                 f"min_repeats={self.min_repeats}, max_repeats={self.max_repeats}"
             )
+        if self.tags < 0 or (self.tags and self.scratchpad != "repeat"):
+            raise ValueError(
+                f"arithmetic.tags must be >= 0 and is for scratchpad=repeat only, got "
+                f"tags={self.tags} with scratchpad={self.scratchpad}"
+            )
+        if not 0.0 <= self.tag_copy <= 1.0:
+            raise ValueError(f"arithmetic.tag_copy must be in [0, 1], got {self.tag_copy}")
         if self.scratchpad == "running" and self.operators != ("+",):
             raise ValueError(
                 f"arithmetic.scratchpad=running is for '+' only, got operators={self.operators}"

@@ -208,3 +208,53 @@ def test_repeat_examples_are_long_with_short_lines():
         assert len(lines) == b + 1 and max(map(len, lines)) <= len("answer: 6930")
         assert len(ex.prompt) <= longest_arithmetic_prompt(cfg)
         assert arithmetic_reward(ex.completion, ex.answer) == 1.0
+
+
+def _tagged_lines(ex):
+    """(count, tag, sum) of each scratchpad line of a tagged repeat example."""
+    out = []
+    for line in ex.completion.strip("\n").split("\n")[:-1]:
+        count = line[: len(line) - len(line.lstrip("0123456789"))]
+        rest = line[len(count) :]
+        tag = rest[: len(rest) - len(rest.lstrip("wxyz"))]
+        out.append((int(count), tag, int(rest[len(tag) :])))
+    return out
+
+
+def test_tagged_repeat_lines_copy_ten_above_at_the_configured_rate():
+    cfg = ArithmeticConfig(
+        operators=("*",),
+        scratchpad="repeat",
+        max_digits=1,
+        min_repeats=40,
+        max_repeats=60,
+        tags=2,
+        tag_copy=0.75,
+    )
+    copies = n = 0
+    for i in range(200):
+        ex = make_arithmetic_example(cfg, seed=0, split="train", index=i)
+        assert ex == make_arithmetic_example(cfg, seed=0, split="train", index=i)
+        a, b = map(int, ex.prompt[:-1].split("*"))
+        lines = _tagged_lines(ex)
+        assert [(k, s) for k, _, s in lines] == [(k, a * k) for k in range(1, b + 1)]
+        assert all(len(t) == 2 for _, t, _ in lines)
+        assert arithmetic_reward(ex.completion, ex.answer) == 1.0
+        for k in range(10, b):
+            for j in range(2):
+                copies += lines[k][1][j] == lines[k - 10][1][j]
+                n += 1
+    # P(same letter) = tag_copy + (1 - tag_copy) / 4 = 0.8125; n is about 16,000.
+    assert abs(copies / n - 0.8125) < 0.015
+
+
+def test_tags_always_copy_at_rate_one_and_are_checked():
+    cfg = ArithmeticConfig(operators=("*",), scratchpad="repeat", tags=1, tag_copy=1.0)
+    lines = _tagged_lines(make_arithmetic_example(cfg, seed=3, split="eval", index=7))
+    assert all(lines[k][1] == lines[k % 10][1] for k in range(len(lines)))
+    with pytest.raises(ValueError, match="tags"):
+        ArithmeticConfig(operators=("+",), tags=1)
+    with pytest.raises(ValueError, match="tag_copy"):
+        ArithmeticConfig(operators=("*",), scratchpad="repeat", tags=1, tag_copy=1.5)
+    with pytest.raises(ValueError, match="rng"):
+        solve(7, "*", 3, scratchpad="repeat", tags=1)

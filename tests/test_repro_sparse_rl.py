@@ -84,6 +84,18 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
         assert cells[arm]["heldout_dense_greedy"]["mean"] == row["val/dense_greedy_reward_mean"]
     assert cells["dense"]["heldout_dense_greedy_vs_dense_ci"]["ratio"] in (1.0, None)
     assert result["targets"][0]["greedy_heldout_prompts"] == 6
+    # tools/token_mismatch.py on the SFT start at the study's budget: every token after an
+    # eviction has one kind, and the kinds' tails add up to the whole tail.
+    from token_mismatch import measure
+
+    mm = measure(out / "sft", 0, 8, num=2, samples=2, seed=0)
+    assert 0 < mm["tokens_after_eviction"] <= mm["tokens"] and mm["sequences"] == 4
+    kinds = mm["kinds"].values()
+    assert sum(k["share"] for k in kinds) == pytest.approx(1.0)
+    assert sum(k["share"] * k["below_tail"] for k in kinds) == pytest.approx(mm["below_tail"])
+    assert sum(k["share"] * k["mismatch_kl"] for k in kinds) == pytest.approx(
+        mm["mismatch_kl"], rel=1e-5
+    )
 
     # The corrected run started from the copied step-0 checkpoint; the same config with its own
     # SFT stage in a fresh directory gives the same rows (numbers, not clocks).
@@ -383,6 +395,17 @@ def test_summary_pairs_arms_with_dense_by_seed():
     assert cells["dense"]["steps_to_target"]["mean"] == 6
     assert cells["corrected"]["reached_target"] == 0
     assert cells["dense"]["reached_target"] == 3
+
+
+def test_token_mismatch_kinds_of_a_tagged_completion():
+    from token_mismatch import kinds
+
+    text = "1wz7\n2yx14\nanswer: 14"
+    got = kinds(text, len(text) + 1)
+    assert got[:5] == ["digit", "tag", "tag", "digit", "newline"]
+    assert got[5:11] == ["digit", "tag", "tag", "digit", "digit", "newline"]
+    assert got[11:] == ["answer"] * 10 + ["eos"]
+    assert kinds("1: 7", 4) == ["digit", "sep", "sep", "digit"]  # cut to the tokens there are
 
 
 def test_gold_logprob_parts_split_the_scratchpad_in_thirds_and_the_answer():

@@ -1,0 +1,139 @@
+"""Where the sparse sampler's tokens differ from the dense policy's: rho per kind of token.
+
+For a checkpoint and a KV budget, sample `--samples` completions of each of the first `--num`
+held-out prompts with the run's compressed cache (its `rollout.kv` policy at `--budget`, the
+run's temperature), teacher-force them through the same weights with the full cache, and
+report rho = pi_dense / mu per token over the tokens drawn after each sequence's first eviction
+(as the correction's `rho_p5` reads them): the 5th percentile, the mismatch KL (the k3
+estimate, as `correction/mismatch_kl`), and per kind of token (char tokenizer: the study's
+task) its share of those tokens, the share of it below 0.86 (Sparrow's tail threshold), its
+share of all tokens below 0.86, its mean KL, and the dense policy's mean negative logprob of
+what was drawn (an entropy estimate). Kinds: `tag` (the letters of the tagged repeat
+scratchpad, `data/arithmetic.py`), `digit`, `sep` (`:` and space), `newline`, `answer` (the
+answer line) and `eos`.
+
+    python tools/token_mismatch.py runs/srl6_tags/sft@0 --budget 128 --num 64 --samples 8
+
+Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, os.fspath(Path(__file__).resolve().parents[1]))
+
+from sparserl_jax.build import build_model, build_tokenizer  # noqa: E402
+from sparserl_jax.checkpoint import CheckpointManager  # noqa: E402
+from sparserl_jax.config import Config, from_dict  # noqa: E402
+from sparserl_jax.data import PromptLimit, encode_prompts, eval_examples  # noqa: E402
+from sparserl_jax.data.arithmetic import TAG_LETTERS  # noqa: E402
+from sparserl_jax.rl import Learner  # noqa: E402
+from sparserl_jax.rollout import RolloutEngine  # noqa: E402
+
+TAIL = 0.86
+
+
+def kinds(text: str, n_tokens: int) -> list[str]:
+    """The kind of each of a completion's `n_tokens` tokens (its characters, then the eos)."""
+    out, in_answer = [], False
+    for ch in text:
+        in_answer = in_answer or text.startswith("answer", len(out))
+        if in_answer:
+            out.append("answer")
+        elif ch in TAG_LETTERS:
+            out.append("tag")
+        elif ch.isdigit():
+            out.append("digit")
+        elif ch == "\n":
+            out.append("newline")
+        else:
+            out.append("sep")
+    return (out + ["eos"] * n_tokens)[:n_tokens]
+
+
+def measure(run: Path, step: int, budget: int, num: int, samples: int, seed: int) -> dict:
+    cfg = from_dict(Config, json.loads((run / "config.json").read_text()))
+    if cfg.tokenizer.kind != "char" or not cfg.rollout.sparse:
+        raise SystemExit(f"{run}: needs the char tokenizer and a compressed KV cache")
+    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
+    model = build_model(cfg.model)
+    learner = Learner(model, cfg.learner)
+    with CheckpointManager(run, keep=100) as ckpt:
+        params = ckpt.restore(step, {"learner": learner.init(model)})[0]["learner"].params
+    rcfg = dataclasses.replace(
+        cfg.rollout.with_budget(budget),
+        n_samples=samples,
+        stop_token_ids=tuple(tokenizer.eos_ids),
+    )
+    limit = PromptLimit(tokenizer, rcfg.max_prompt_len)
+    prompts = encode_prompts(
+        eval_examples(cfg.data, num, limit=limit), tokenizer, max_len=rcfg.max_prompt_len
+    )
+    res = RolloutEngine(model, rcfg).generate(
+        prompts, params=params, seeds=[seed * 100_003 + i for i in range(len(prompts))]
+    )
+    tokens_bt, mask_bt, sampler_bt = res.sequences()
+    dense_bt = np.asarray(learner.logprobs(params, tokens_bt))
+    log_rho_bt = dense_bt - sampler_bt
+    after_bt = res.after_eviction(tokens_bt.shape[1]) & mask_bt
+    kind_bt = np.full(tokens_bt.shape, "", dtype=object)
+    for b in range(tokens_bt.shape[0]):
+        idx = np.flatnonzero(mask_bt[b])
+        text = tokenizer.decode(tokens_bt[b, idx].tolist())
+        kind_bt[b, idx] = kinds(text, len(idx))
+    rho, lr, kind = np.exp(log_rho_bt[after_bt]), log_rho_bt[after_bt], kind_bt[after_bt]
+    nll = -dense_bt[after_bt]
+    k3 = rho - 1.0 - lr
+    below = rho < TAIL
+    per_kind = {}
+    for k in ("tag", "digit", "sep", "newline", "answer", "eos"):
+        sel = kind == k
+        if sel.any():
+            per_kind[k] = {
+                "share": float(sel.mean()),
+                "below_tail": float(below[sel].mean()),
+                "share_of_tail": float(below[sel].sum() / max(below.sum(), 1)),
+                "mismatch_kl": float(k3[sel].mean()),
+                "dense_nll": float(nll[sel].mean()),
+            }
+    return {
+        "run": str(run),
+        "step": step,
+        "budget": budget,
+        "policy": rcfg.kv.policy,
+        "sequences": int(tokens_bt.shape[0]),
+        "tokens_after_eviction": int(after_bt.sum()),
+        "tokens": int(mask_bt.sum()),
+        "rho_p5": float(np.percentile(rho, 5)) if rho.size else 1.0,
+        "below_tail": float(below.mean()) if rho.size else 0.0,
+        "mismatch_kl": float(k3.mean()) if rho.size else 0.0,
+        "dense_nll": float(nll.mean()) if rho.size else 0.0,
+        "kinds": per_kind,
+    }
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("run", metavar="RUN_DIR@STEP")
+    ap.add_argument("--budget", type=int, required=True, help="KV budget in tokens")
+    ap.add_argument("--num", type=int, default=64, help="held-out prompts (default 64)")
+    ap.add_argument("--samples", type=int, default=8, help="completions per prompt (default 8)")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    run, sep, step = args.run.rpartition("@")
+    if not sep or not step.isdigit():
+        ap.error(f"{args.run!r}: expected RUN_DIR@STEP, e.g. runs/x/sft@0")
+    rec = measure(Path(run), int(step), args.budget, args.num, args.samples, args.seed)
+    print(json.dumps(rec), flush=True)
+
+
+if __name__ == "__main__":
+    main()

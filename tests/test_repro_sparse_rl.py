@@ -398,14 +398,22 @@ def test_summary_pairs_arms_with_dense_by_seed():
 
 
 def test_token_mismatch_kinds_of_a_tagged_completion():
-    from token_mismatch import kinds
+    from token_mismatch import kinds, token_texts
 
+    from sparserl_jax.models import CharTokenizer
+
+    tok = CharTokenizer()
     text = "1wz7\n2yx14\nanswer: 14"
-    got = kinds(text, len(text) + 1)
+    ids = tok.encode(text) + [tok.eos_ids[0]]
+    got = kinds(token_texts(ids, tok))
     assert got[:5] == ["digit", "tag", "tag", "digit", "newline"]
     assert got[5:11] == ["digit", "tag", "tag", "digit", "digit", "newline"]
     assert got[11:] == ["answer"] * 10 + ["eos"]
-    assert kinds("1: 7", 4) == ["digit", "sep", "sep", "digit"]  # cut to the tokens there are
+    # A special id mid-way (decoded alone it is empty) keeps every later label in place.
+    ids = tok.encode("1: 7") + [tok.bos_id] + tok.encode("\nanswer: 7")
+    got = kinds(token_texts(ids, tok))
+    assert got[:5] == ["digit", "sep", "sep", "digit", "special"]
+    assert got[5:] == ["newline"] + ["answer"] * 9
 
 
 def test_gold_logprob_parts_split_the_scratchpad_in_thirds_and_the_answer():

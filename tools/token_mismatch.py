@@ -5,12 +5,14 @@ held-out prompts with the run's compressed cache (its `rollout.kv` policy at `--
 run's temperature), teacher-force them through the same weights with the full cache, and
 report rho = pi_dense / mu per token over the tokens drawn after each sequence's first eviction
 (as the correction's `rho_p5` reads them): the 5th percentile, the mismatch KL (the k3
-estimate, as `correction/mismatch_kl`), and per kind of token (char tokenizer: the study's
-task) its share of those tokens, the share of it below 0.86 (Sparrow's tail threshold), its
-share of all tokens below 0.86, its mean KL, and the dense policy's mean negative logprob of
-what was drawn (an entropy estimate). Kinds: `tag` (the letters of the tagged repeat
-scratchpad, `data/arithmetic.py`), `digit`, `sep` (`:` and space), `newline`, `answer` (the
-answer line) and `eos`.
+estimate over the same tokens, unclipped; `correction/mismatch_kl` averages over every
+response token with log rho clipped, so it is not the same number), and per kind of token
+(char tokenizer: the study's task) its share of those tokens, the share of it below 0.86
+(Sparrow's tail threshold), its share of all tokens below 0.86, its mean KL, and the dense
+policy's mean negative logprob of what was drawn (a cross-entropy, E_mu[-log pi]). Kinds: `tag`
+(the letters of the tagged repeat scratchpad, `data/arithmetic.py`), `digit`, `newline`,
+`answer` (the answer line), `sep` (any other character: `:` and space in the task), `eos`, and
+`special` (any other special id).
 
     python tools/token_mismatch.py runs/srl6_tags/sft@0 --budget 128 --num 64 --samples 8
 
@@ -41,11 +43,18 @@ from sparserl_jax.rollout import RolloutEngine  # noqa: E402
 TAIL = 0.86
 
 
-def kinds(text: str, n_tokens: int) -> list[str]:
-    """The kind of each of a completion's `n_tokens` tokens (its characters, then the eos)."""
-    out, in_answer = [], False
-    for ch in text:
-        in_answer = in_answer or text.startswith("answer", len(out))
+def kinds(chars: list[str]) -> list[str]:
+    """The kind of each token of a completion, given each token's own text (`token_texts`):
+    `eos` and `special` for the stop and other special ids (empty text), then by character,
+    the answer line from its `answer` on."""
+    text = "".join(chars)
+    out, in_answer, at = [], False, 0
+    for ch in chars:
+        if ch in ("eos", ""):
+            out.append("eos" if ch else "special")
+            continue
+        in_answer = in_answer or text.startswith("answer", at)
+        at += len(ch)
         if in_answer:
             out.append("answer")
         elif ch in TAG_LETTERS:
@@ -56,7 +65,14 @@ def kinds(text: str, n_tokens: int) -> list[str]:
             out.append("newline")
         else:
             out.append("sep")
-    return (out + ["eos"] * n_tokens)[:n_tokens]
+    return out
+
+
+def token_texts(ids, tokenizer) -> list[str]:
+    """Each token's own text: `eos` for a stop id, "" for any other special id (never
+    decoding the joined ids, which drops special ids and would shift every later label)."""
+    eos = set(tokenizer.eos_ids)
+    return ["eos" if int(i) in eos else tokenizer.decode([int(i)]) for i in ids]
 
 
 def measure(run: Path, step: int, budget: int, num: int, samples: int, seed: int) -> dict:
@@ -65,7 +81,8 @@ def measure(run: Path, step: int, budget: int, num: int, samples: int, seed: int
         raise SystemExit(f"{run}: needs the char tokenizer and a compressed KV cache")
     tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
     model = build_model(cfg.model)
-    learner = Learner(model, cfg.learner)
+    # pi_dense: the full-cache teacher, whatever mask the run trained with.
+    learner = Learner(model, dataclasses.replace(cfg.learner, attention_mask="dense"))
     with CheckpointManager(run, keep=100) as ckpt:
         params = ckpt.restore(step, {"learner": learner.init(model)})[0]["learner"].params
     rcfg = dataclasses.replace(
@@ -87,14 +104,13 @@ def measure(run: Path, step: int, budget: int, num: int, samples: int, seed: int
     kind_bt = np.full(tokens_bt.shape, "", dtype=object)
     for b in range(tokens_bt.shape[0]):
         idx = np.flatnonzero(mask_bt[b])
-        text = tokenizer.decode(tokens_bt[b, idx].tolist())
-        kind_bt[b, idx] = kinds(text, len(idx))
+        kind_bt[b, idx] = kinds(token_texts(tokens_bt[b, idx], tokenizer))
     rho, lr, kind = np.exp(log_rho_bt[after_bt]), log_rho_bt[after_bt], kind_bt[after_bt]
     nll = -dense_bt[after_bt]
     k3 = rho - 1.0 - lr
     below = rho < TAIL
     per_kind = {}
-    for k in ("tag", "digit", "sep", "newline", "answer", "eos"):
+    for k in ("tag", "digit", "sep", "newline", "answer", "eos", "special"):
         sel = kind == k
         if sel.any():
             per_kind[k] = {

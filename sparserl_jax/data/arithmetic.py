@@ -168,8 +168,10 @@ def solve(
     """
     if a < 0 or b < 0:
         raise ValueError(f"operands must be non-negative, got {a}, {b}")
-    if tags and (scratchpad != "repeat" or rng is None):
-        raise ValueError(f"tags are for the repeat scratchpad and need an rng, got {scratchpad!r}")
+    if tags and scratchpad != "repeat":
+        raise ValueError(f"tags are for the repeat scratchpad, got scratchpad={scratchpad!r}")
+    if tags and rng is None:
+        raise ValueError("tags are drawn at random: pass rng (a numpy Generator)")
     if scratchpad == "running":
         if op != "+":
             raise ValueError(f"the running scratchpad is for '+' only, got {op!r}")

@@ -39,14 +39,17 @@ from typing import Any
 
 import numpy as np
 
-from sparserl_jax.build import build_tokenizer
+from sparserl_jax.build import build_model, build_tokenizer
+from sparserl_jax.checkpoint import CheckpointManager
 from sparserl_jax.config import Config, ConfigError, from_dict, load_config, to_dict
 from sparserl_jax.data import PromptLimit, encode_prompts, eval_examples
 from sparserl_jax.metrics import read_metrics
+from sparserl_jax.rl import Learner
 
 __all__ = [
     "ARMS",
     "NotFinished",
+    "RunCheckpoint",
     "RunStopped",
     "SIGNATURE",
     "Study",
@@ -57,6 +60,8 @@ __all__ = [
     "bootstrap_ratio",
     "summarise",
     "plot_study",
+    "restore_checkpoint",
+    "run_at_step",
 ]
 
 # Overrides per arm; everything else is the config's. "naive": the sparse sampler's tokens
@@ -107,6 +112,38 @@ _SIGNATURE_STEP_KEYS = (
     "rejected_seq_fraction",
 )
 _QUIET = ("train.progress=false", "train.plot=false")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunCheckpoint:
+    """One checkpoint of a study run, ready to score (`restore_checkpoint`)."""
+
+    cfg: Config
+    tokenizer: Any
+    model: Any
+    learner: Learner  # its `logprobs` are the dense policy's: the full cache
+    params: Any
+
+
+def run_at_step(arg: str) -> tuple[Path, int]:
+    """`RUN_DIR@STEP` (as the study's diagnostic tools take a checkpoint) -> (dir, step)."""
+    run, sep, step = arg.rpartition("@")
+    if not sep or not step.isdigit():
+        raise ValueError(f"{arg!r}: expected RUN_DIR@STEP, e.g. runs/x/dense_s0@100")
+    return Path(run), int(step)
+
+
+def restore_checkpoint(run: Path, step: int) -> RunCheckpoint:
+    """Checkpoint `step` of the run in `run` (its `config.json` gives the model and the task),
+    with a learner that teacher-forces the dense policy whatever mask the run trained with."""
+    cfg = from_dict(Config, json.loads((run / "config.json").read_text()))
+    model = build_model(cfg.model)
+    learner = Learner(model, dataclasses.replace(cfg.learner, attention_mask="dense"))
+    with CheckpointManager(run, keep=100) as ckpt:
+        state = ckpt.restore(step, {"learner": learner.init(model)})[0]["learner"]
+    return RunCheckpoint(
+        cfg, build_tokenizer(cfg.tokenizer, cfg.model), model, learner, state.params
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -416,6 +416,15 @@ def test_token_mismatch_kinds_of_a_tagged_completion():
     assert got[5:] == ["newline"] + ["answer"] * 9
 
 
+def test_run_at_step_reads_a_checkpoint_argument():
+    from benchmarks.repro_sparse_rl import run_at_step
+
+    assert run_at_step("runs/x@y/dense_s0@100") == (Path("runs/x@y/dense_s0"), 100)
+    for bad in ("runs/x/dense_s0", "runs/x@last"):
+        with pytest.raises(ValueError, match="RUN_DIR@STEP"):
+            run_at_step(bad)
+
+
 def test_gold_logprob_parts_split_the_scratchpad_in_thirds_and_the_answer():
     from gold_logprob import parts
 

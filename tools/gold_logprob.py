@@ -27,11 +27,8 @@ import numpy as np
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parents[1]))
 
-from sparserl_jax.build import build_model, build_tokenizer  # noqa: E402
-from sparserl_jax.checkpoint import CheckpointManager  # noqa: E402
-from sparserl_jax.config import Config, from_dict  # noqa: E402
+from benchmarks.repro_sparse_rl import restore_checkpoint, run_at_step  # noqa: E402
 from sparserl_jax.data import sft_batch, sft_pairs  # noqa: E402
-from sparserl_jax.rl import Learner  # noqa: E402
 
 
 def parts(completion: str) -> list[str]:
@@ -47,17 +44,13 @@ def parts(completion: str) -> list[str]:
 
 
 def score(run: Path, step: int, num: int) -> dict:
-    cfg = from_dict(Config, json.loads((run / "config.json").read_text()))
+    ck = restore_checkpoint(run, step)
+    cfg = ck.cfg
     if cfg.tokenizer.kind != "char":
         raise SystemExit(f"{run}: tokenizer {cfg.tokenizer.kind!r}; parts are read per character")
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
-    model = build_model(cfg.model)
-    learner = Learner(model, cfg.learner)
-    with CheckpointManager(run, keep=100) as ckpt:
-        state = ckpt.restore(step, {"learner": learner.init(model)})[0]["learner"]
     pairs = sft_pairs(cfg.data, num, split="eval")
-    batch = sft_batch(pairs, tokenizer, max_len=cfg.sft.max_len)
-    logp = np.asarray(learner.logprobs(state.params, batch.tokens_bt))
+    batch = sft_batch(pairs, ck.tokenizer, max_len=cfg.sft.max_len)
+    logp = np.asarray(ck.learner.logprobs(ck.params, batch.tokens_bt))
     by_part: dict[str, list[float]] = {}
     greedy_like = []
     for b, (_, completion) in enumerate(pairs):
@@ -80,11 +73,12 @@ def main(argv=None) -> None:
     ap.add_argument("runs", nargs="+", metavar="RUN_DIR@STEP")
     ap.add_argument("--num", type=int, default=256, help="eval-split problems (default 256)")
     args = ap.parse_args(argv)
-    for arg in args.runs:
-        run, sep, step = arg.rpartition("@")
-        if not sep or not step.isdigit():
-            ap.error(f"{arg!r}: expected RUN_DIR@STEP, e.g. runs/x/dense_s0@100")
-        print(json.dumps(score(Path(run), int(step), args.num)), flush=True)
+    try:
+        runs = [run_at_step(arg) for arg in args.runs]
+    except ValueError as e:
+        ap.error(str(e))
+    for run, step in runs:
+        print(json.dumps(score(run, step, args.num)), flush=True)
 
 
 if __name__ == "__main__":

@@ -32,12 +32,9 @@ import numpy as np
 
 sys.path.insert(0, os.fspath(Path(__file__).resolve().parents[1]))
 
-from sparserl_jax.build import build_model, build_tokenizer  # noqa: E402
-from sparserl_jax.checkpoint import CheckpointManager  # noqa: E402
-from sparserl_jax.config import Config, from_dict  # noqa: E402
+from benchmarks.repro_sparse_rl import restore_checkpoint, run_at_step  # noqa: E402
 from sparserl_jax.data import PromptLimit, encode_prompts, eval_examples  # noqa: E402
 from sparserl_jax.data.arithmetic import TAG_LETTERS  # noqa: E402
-from sparserl_jax.rl import Learner  # noqa: E402
 from sparserl_jax.rollout import RolloutEngine  # noqa: E402
 
 TAIL = 0.86
@@ -76,15 +73,10 @@ def token_texts(ids, tokenizer) -> list[str]:
 
 
 def measure(run: Path, step: int, budget: int, num: int, samples: int, seed: int) -> dict:
-    cfg = from_dict(Config, json.loads((run / "config.json").read_text()))
+    ck = restore_checkpoint(run, step)
+    cfg, tokenizer, params = ck.cfg, ck.tokenizer, ck.params
     if cfg.tokenizer.kind != "char" or not cfg.rollout.sparse:
         raise SystemExit(f"{run}: needs the char tokenizer and a compressed KV cache")
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.model)
-    model = build_model(cfg.model)
-    # pi_dense: the full-cache teacher, whatever mask the run trained with.
-    learner = Learner(model, dataclasses.replace(cfg.learner, attention_mask="dense"))
-    with CheckpointManager(run, keep=100) as ckpt:
-        params = ckpt.restore(step, {"learner": learner.init(model)})[0]["learner"].params
     rcfg = dataclasses.replace(
         cfg.rollout.with_budget(budget),
         n_samples=samples,
@@ -94,11 +86,11 @@ def measure(run: Path, step: int, budget: int, num: int, samples: int, seed: int
     prompts = encode_prompts(
         eval_examples(cfg.data, num, limit=limit), tokenizer, max_len=rcfg.max_prompt_len
     )
-    res = RolloutEngine(model, rcfg).generate(
+    res = RolloutEngine(ck.model, rcfg).generate(
         prompts, params=params, seeds=[seed * 100_003 + i for i in range(len(prompts))]
     )
     tokens_bt, mask_bt, sampler_bt = res.sequences()
-    dense_bt = np.asarray(learner.logprobs(params, tokens_bt))
+    dense_bt = np.asarray(ck.learner.logprobs(params, tokens_bt))
     log_rho_bt = dense_bt - sampler_bt
     after_bt = res.after_eviction(tokens_bt.shape[1]) & mask_bt
     kind_bt = np.full(tokens_bt.shape, "", dtype=object)
@@ -144,10 +136,11 @@ def main(argv=None) -> None:
     ap.add_argument("--samples", type=int, default=8, help="completions per prompt (default 8)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    run, sep, step = args.run.rpartition("@")
-    if not sep or not step.isdigit():
-        ap.error(f"{args.run!r}: expected RUN_DIR@STEP, e.g. runs/x/sft@0")
-    rec = measure(Path(run), int(step), args.budget, args.num, args.samples, args.seed)
+    try:
+        run, step = run_at_step(args.run)
+    except ValueError as e:
+        ap.error(str(e))
+    rec = measure(run, step, args.budget, args.num, args.samples, args.seed)
     print(json.dumps(rec), flush=True)
 
 

@@ -10,7 +10,7 @@ from sparserl_jax.data import (
     make_arithmetic_example,
     solve,
 )
-from sparserl_jax.data.arithmetic import longest_arithmetic_prompt
+from sparserl_jax.data.arithmetic import TAG_LETTERS, longest_arithmetic_prompt
 from sparserl_jax.models import CharTokenizer
 
 
@@ -216,7 +216,7 @@ def _tagged_lines(ex):
     for line in ex.completion.strip("\n").split("\n")[:-1]:
         count = line[: len(line) - len(line.lstrip("0123456789"))]
         rest = line[len(count) :]
-        tag = rest[: len(rest) - len(rest.lstrip("wxyz"))]
+        tag = rest[: len(rest) - len(rest.lstrip(TAG_LETTERS))]
         out.append((int(count), tag, int(rest[len(tag) :])))
     return out
 

@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_INSTALL ?= "torch==2.13.0"
 
-.PHONY: test test-fast test-tpu-aot demo demo-async venv lint format clean device-check
+.PHONY: test test-fast test-tpu-aot demo demo-async venv venv-tpu lint format clean device-check
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,13 +36,16 @@ TPU_STAMP := $(TPU_VENV)/.installed
 # The same jax as .venv (built first): one version of jax in both venvs.
 $(TPU_STAMP): pyproject.toml $(STAMP)
 	test -x $(TPU_VENV)/bin/python || $(PYTHON) -m venv $(TPU_VENV)
-	$(TPU_VENV)/bin/python -m pip install -e ".[tpu]" "pytest>=8" \
+	$(TPU_VENV)/bin/python -m pip install -e ".[tpu]" "pytest>=8" "pytest-xdist>=3.5" \
 		"jax[tpu]==$$($(PY) -c 'import jax; print(jax.__version__)')"
 	touch $(TPU_STAMP)
 
+venv-tpu: $(TPU_STAMP)
+
 test-tpu-aot: $(TPU_STAMP)
 	SPARSERL_REQUIRE_TPU_AOT=1 TPU_WORKER_HOSTNAMES=localhost \
-		$(TPU_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kernels/test_tpu_aot.py \
+		$(TPU_VENV)/bin/python -m pytest -n 2 --dist worksteal -q -p no:cacheprovider \
+		tests/kernels/test_tpu_aot.py \
 		tests/test_tpu_programs.py tests/test_bench_memory.py
 
 demo: $(STAMP)

@@ -137,12 +137,12 @@ def _final_arrays(run: Path, step: int) -> tuple[dict, dict]:
 def test_two_processes_complete_exactly_once_resume_bit_identical_and_match_one(tmp_path):
     """At staleness 0 (deterministic rollouts), two mini-batches per pass: two trainer
     processes and a sampler complete 4 steps exactly once, every consumed rollout made with
-    weights the sampler verified; stopped
-    at step 2 and relaunched to 4 they resume from the checkpoint both saved and end with the
-    bits of the uninterrupted run and of a rerun of it. One process (one device) is held to a
-    float tolerance, not to bits: the gradient all-reduce adds the two processes' partial sums
-    over gloo, an order one device's reduction need not share (on this config the runs
-    measured equal: difference 0)."""
+    weights the sampler verified; stopped at step 2 and relaunched to 4 they resume from the
+    checkpoint both saved and end with the bits of the uninterrupted run (separate launches
+    giving equal bits also shows the run reproducible; a third launch only to rerun it was
+    dropped). One process (one device) is held to a float tolerance, not to bits: the
+    gradient all-reduce adds the two processes' partial sums over gloo, an order one device's
+    reduction need not share (on this config the runs measured equal: difference 0)."""
     import jax
     import numpy as np
 
@@ -162,12 +162,9 @@ def test_two_processes_complete_exactly_once_resume_bit_identical_and_match_one(
     leader, follower, _ = _run(tmp_path / "b", 4, "b2", fixed)
     assert json.loads(leader.strip().splitlines()[-1])["start_step"] == 2
     assert check_exactly_once(tmp_path / "b" / "run")["steps"] == 4
-    _run(tmp_path / "c", 4, "c", fixed)
     a, a_state = _final_arrays(run, 4)
     b, _ = _final_arrays(tmp_path / "b" / "run", 4)
-    c, _ = _final_arrays(tmp_path / "c" / "run", 4)
     assert a == b, "resumed at step 2 != uninterrupted"
-    assert a == c, "a rerun of the two-process run differs"
     one = tmp_path / "one"
     cmd = [sys.executable, "-m", "sparserl_jax", "launch", TINY, "--samplers", "1"]
     cmd += [f"run_dir={one}", "train.steps=4", "train.save_every=2", *fixed]

@@ -45,8 +45,7 @@ venv-tpu: $(TPU_STAMP)
 test-tpu-aot: $(TPU_STAMP)
 	SPARSERL_REQUIRE_TPU_AOT=1 TPU_WORKER_HOSTNAMES=localhost \
 		$(TPU_VENV)/bin/python -m pytest -n 2 --dist worksteal -q -p no:cacheprovider \
-		tests/kernels/test_tpu_aot.py \
-		tests/test_tpu_programs.py tests/test_bench_memory.py
+		tests/kernels/test_tpu_aot.py tests/test_tpu_programs.py tests/test_bench_memory.py
 
 demo: $(STAMP)
 	rm -rf runs/demo

@@ -35,12 +35,14 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
 
     monkeypatch.chdir(ROOT)
     out = tmp_path / "study"
-    # The tool turns JAX's persistent compilation cache on (the arms share programs): off again
-    # after it (the cache is set up once per process), or every later test in this process
-    # reads and writes that directory.
+    # The tool turns JAX's persistent compilation cache on (the arms share programs); here it
+    # uses the suite's own when there is one (other tests compile the same tiny programs). Set
+    # back after it (the cache is set up once per process), or every later test in this
+    # process reads and writes the tool's directory.
     before = jax.config.jax_compilation_cache_dir
+    cache = ["--compile-cache", before] if before else []
     try:
-        result = repro_sparse_rl.main(["--quick", "--out", str(out), "--heldout", "6"])
+        result = repro_sparse_rl.main(["--quick", "--out", str(out), "--heldout", "6", *cache])
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
         compilation_cache.reset_cache()
@@ -51,6 +53,7 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
     try:
         again = repro_sparse_rl.main(
             ["--quick", "--out", str(out), "--heldout", "6", "--seeds", "0", "1", "--finished-only"]
+            + cache
         )
     finally:
         jax.config.update("jax_compilation_cache_dir", before)

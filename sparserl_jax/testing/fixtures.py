@@ -49,8 +49,23 @@ def length_reward(prompt: str, completion: str, answer: str) -> float:
     return len(completion) / 32.0
 
 
+def xla_flags_with_devices(devices: int | None) -> str:
+    """This process's XLA_FLAGS with the fake CPU device count replaced by `devices` (dropped
+    when None): a child process gets its own device count and keeps the other flags (the tests'
+    compile settings and collective timeouts, tests/conftest.py)."""
+    flags = [
+        f
+        for f in os.environ.get("XLA_FLAGS", "").split()
+        if not f.startswith("--xla_force_host_platform_device_count=")
+    ]
+    if devices is not None:
+        flags.append(f"--xla_force_host_platform_device_count={devices}")
+    return " ".join(flags)
+
+
 def child_env(compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
-    """The environment for a `sparserl` child process of a test: one CPU device (no XLA_FLAGS).
+    """The environment for a `sparserl` child process of a test: one CPU device (XLA_FLAGS
+    without a device count).
 
     `compile_cache`: a directory for JAX's persistent compilation cache, used unless one is set
     already (the test runs share `.jax_cache/` unless `SPARSERL_TEST_COMPILATION_CACHE=0`). A
@@ -58,7 +73,8 @@ def child_env(compile_cache: str | os.PathLike | None = None) -> dict[str, str]:
     of once per process; a cached executable is the one XLA compiled for the same program, so
     results are unchanged.
     """
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = xla_flags_with_devices(None)
     if compile_cache is not None and "JAX_COMPILATION_CACHE_DIR" not in env:
         env["JAX_COMPILATION_CACHE_DIR"] = str(compile_cache)
         env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from sparserl_jax.decoupled.launch import free_port
 from sparserl_jax.sync.loco_runtime import init_cpu_distributed
+from sparserl_jax.testing.fixtures import xla_flags_with_devices
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +31,7 @@ def run_processes(
     child's tail) when one exits non-zero or they do not all finish within `wall_s`."""
     port = free_port()
     env = dict(os.environ)
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices_per_process}"
+    env["XLA_FLAGS"] = xla_flags_with_devices(devices_per_process)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     n = len(args)

@@ -1,6 +1,7 @@
 """A round trip through each transport: in-process, TensorStore kvstore, TCP stream."""
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -23,6 +24,7 @@ from sparserl_jax.sync import (
     SyncConfig,
     to_bits,
 )
+from sparserl_jax.testing.fixtures import xla_flags_with_devices
 
 
 def sampler_sharding(name, shape):
@@ -107,9 +109,7 @@ def test_a_publisher_killed_before_its_rename_leaves_no_unreadable_blob(tmp_path
 
 RECEIVER_SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-    os.environ["JAX_PLATFORMS"] = "cpu"
+    import json, sys
     import hashlib, jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from sparserl_jax.sync import Receiver, StreamClient, to_bits
@@ -135,6 +135,11 @@ def test_stream_between_two_processes():
         pub = publish_run(server, n=3)
         proc = subprocess.run(
             [sys.executable, "-c", RECEIVER_SCRIPT, str(server.address[1])],
+            env={
+                **os.environ,
+                "XLA_FLAGS": xla_flags_with_devices(4),
+                "JAX_PLATFORMS": "cpu",
+            },
             capture_output=True,
             text=True,
             timeout=120,

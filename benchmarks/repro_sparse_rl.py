@@ -302,6 +302,12 @@ def _run(
         raise NotFinished(f"no finished run of this config in {name}")
     resume_at = _resumable(cfg)
     if resume_at is None:
+        if not (src_run / "checkpoints" / str(step)).is_dir():
+            raise NotFinished(
+                f"{name} starts from checkpoint {step} of {src_run.name}, which is not on disk "
+                "(a run restored from a study archive keeps no checkpoints): rerun that run "
+                "to decode it"
+            )
         _copy_checkpoint(src_run, step, Path(cfg.run_dir))
     else:
         log(f"  [{name}] cut off before: resumes from its checkpoint {resume_at}")

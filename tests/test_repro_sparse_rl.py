@@ -60,6 +60,7 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
         compilation_cache.reset_cache()
     assert again["cells"] == result["cells"] and again["targets"] == result["targets"]
     assert not list((out / "runs").glob("*_s1*"))
+    _check_archive(out, tmp_path / "archive", result, cache, capsys)
     assert result["budgets"] == [8] and result["rollout_length"] == 32
     sig = result["signature"]["8"] if "8" in result["signature"] else result["signature"][8]
     assert 0 <= sig["sparse_greedy"] <= 1 and 0 <= sig["dense_greedy"] <= 1
@@ -125,6 +126,49 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
     )
     train(cfg, log_fn=lambda m: None)
     assert _numbers(read_metrics(fresh)) == _numbers(read_metrics(copied))
+
+
+def _check_archive(out, archive, result, cache, capsys):
+    """The study's archive (`--archive`) of the quick study: the SFT start's step-0 checkpoint
+    and every finished run without checkpoints; on a machine without `out`, the same report,
+    the same SFT bits, and a decode that needs a run's dropped checkpoint left out in a line."""
+    import repro_sparse_rl
+
+    from benchmarks.repro_sparse_rl import restore_checkpoint
+    from benchmarks.study_archive import ArchiveError, restore_archive, save_archive
+
+    before = jax.config.jax_compilation_cache_dir
+    saved = save_archive(out, archive)
+    assert "sft" in saved and "runs/dense_s0" in saved and "signature/b8" in saved
+    kept = sorted(str(p.relative_to(archive)) for p in archive.rglob("checkpoints/*"))
+    assert kept == ["sft/checkpoints/0"]
+    assert save_archive(out, archive) == []  # nothing new
+    with pytest.raises(ArchiveError, match="not of"):
+        restore_archive(archive, out.with_name("elsewhere"))
+    gone = out.with_name("gone")
+    out.rename(gone)
+    capsys.readouterr()
+    try:
+        again = repro_sparse_rl.main(
+            ["--quick", "--out", str(out), "--heldout", "6", "--finished-only"]
+            + ["--archive", str(archive), *cache]
+        )
+        assert again["cells"] == result["cells"] and again["targets"] == result["targets"]
+        # A decode the archive does not hold needs the run's final checkpoint: left out.
+        other = repro_sparse_rl.main(
+            ["--quick", "--out", str(out), "--heldout", "5", "--archive", str(archive), *cache]
+        )
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+        compilation_cache.reset_cache()
+    assert "heldout_prompts" not in {k for c in other["cells"] for k in c}
+    assert "which is not on disk" in capsys.readouterr().err
+    a, b = restore_checkpoint(out / "sft", 0).params, restore_checkpoint(gone / "sft", 0).params
+    assert all(
+        np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+    shutil.rmtree(out)
+    gone.rename(out)
 
 
 def test_signature_failures_name_each_part():
@@ -435,3 +479,32 @@ def test_gold_logprob_parts_split_the_scratchpad_in_thirds_and_the_answer():
     got = parts(completion)
     assert len(got) == len(completion) + 1  # one per character, then the eos
     assert got == ["a"] * 5 + ["b"] * 6 + ["c"] * 6 + ["answer"] * 11  # + "answer: 21", eos
+
+
+def test_greedy_tags_reads_lines_tags_and_the_first_broken_line():
+    from greedy_tags import read_lines, tag_stats
+
+    from sparserl_jax.data.arithmetic import solve
+
+    # The task's own completion: every line well formed, none broken, tags as drawn.
+    _, ideal = solve(
+        7, "*", 24, scratchpad="repeat", tags=2, tag_copy=1.0, rng=np.random.default_rng(0)
+    )
+    r = read_lines("7*24=", ideal)
+    assert r["broken_at"] is None and len(r["tags"]) == 24 and None not in r["tags"]
+    stats = tag_stats([r])
+    assert stats["copy_share"] == 1.0 and stats["well_formed_share"] == 1.0  # tag_copy 1.0
+    assert stats["distinct_tags_mean"] <= 10 and stats["broken_fraction"] == 0.0
+    # One pair copied down every line, then a wrong product on line 3.
+    r = read_lines("7*4=", "\n1ww7\n2ww14\n3ww22\n4ww28\nanswer: 28")
+    assert r["tags"] == ["ww"] * 4 and r["broken_at"] == 3
+    s = tag_stats([r])
+    assert s["modal_tag_share"] == 1.0 and s["distinct_tags_mean"] == 1
+    assert s["broken_at_mean"] == 0.75 and s["copy_share"] is None  # no line 11
+    # A malformed line, an answer too early, a line past the last, a stop before the end.
+    assert read_lines("7*3=", "\n1ww7\n2: 14\n3ww21\nanswer: 21")["tags"][1] is None
+    assert read_lines("7*3=", "\n1ww7\n2ww14\nanswer: 14")["broken_at"] == 3
+    assert read_lines("7*2=", "\n1ww7\n2ww14\n3ww21\nanswer: 21")["broken_at"] == 3
+    assert read_lines("7*3=", "\n1ww7\n2ww14")["broken_at"] == 3
+    with pytest.raises(ValueError, match="not a repeat-task prompt"):
+        read_lines("12+3=", "\n15")

@@ -26,6 +26,12 @@ dense and at budget B, for every arm alike), `raw.json`,
 per finished run, then one JSON line: the signature, a cell per (arm, budget) with means over
 seeds, and the issue's targets at budgets <= L/4. `--set KEY=VALUE` (repeatable) overrides any
 config key in every run. Logic: benchmarks/repro_sparse_rl.py.
+
+`--archive DIR` keeps the study's durable part where `runs/` is not (a new machine has none):
+the SFT start with its step-0 checkpoint and every finished run's metrics, no other checkpoint
+(benchmarks/study_archive.py). It fills --out from DIR first, and DIR from --out at the end:
+
+    python tools/repro_sparse_rl.py --out runs/x --archive docs/studies/x ...
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from benchmarks.repro_sparse_rl import (  # noqa: E402
     run_study,
     summarise,
 )
+from benchmarks.study_archive import ArchiveError, restore_archive, save_archive  # noqa: E402
 
 QUICK = (
     "sft.steps=2",
@@ -55,6 +62,10 @@ QUICK = (
     "train.eval_every=0",
     "train.save_every=2",
 )
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -93,8 +104,22 @@ def main(argv: list[str] | None = None) -> dict:
         help="JAX persistent compilation cache directory (default <out>/jax_cache): the arms "
         "share most programs",
     )
+    p.add_argument(
+        "--archive",
+        default=None,
+        metavar="DIR",
+        help="a study archive (benchmarks/study_archive.py): copy into --out the finished runs "
+        "and SFT start it holds before running, and the finished ones back into it after",
+    )
     args = p.parse_args(argv)
     out = Path(args.out)
+    if args.archive and Path(args.archive).exists():
+        try:
+            restored = restore_archive(Path(args.archive), out)
+        except ArchiveError as e:
+            print(f"repro_sparse_rl: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+        log(f"from the archive {args.archive}: {len(restored)} finished runs")
     cache = args.compile_cache or str(out / "jax_cache")
     import jax
 
@@ -126,13 +151,17 @@ def main(argv: list[str] | None = None) -> dict:
             finished_only=args.finished_only,
         )
     try:
-        raw = run_study(study, log=lambda m: print(m, file=sys.stderr, flush=True))
+        raw = run_study(study, log=log)
     except RunStopped as e:  # one line; exit status 130, as a shell reports an interrupt
         print(f"repro_sparse_rl: {e}", file=sys.stderr)
         raise SystemExit(130) from None
     except NotFinished as e:  # --finished-only before the SFT start or the signature is done
         print(f"repro_sparse_rl: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        if args.archive:
+            saved = save_archive(out, Path(args.archive))
+            log(f"into the archive {args.archive}: {len(saved)} finished runs")
     (out / "raw.json").write_text(json.dumps(raw, indent=1))
     result = {
         "config": raw["config"],

@@ -54,6 +54,13 @@ def _copy_tree(src: Path, dst: Path, *, keep_step: int | None = None) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _same(run: Path, other: Path) -> bool:
+    """Whether `other` holds the same finished run as `run` (the same `done.json`)."""
+    return (
+        _finished(other) and (run / "done.json").read_bytes() == (other / "done.json").read_bytes()
+    )
+
+
 def _runs(root: Path) -> list[Path]:
     """The finished runs of a study directory (or an archive) under `signature/` and `runs/`."""
     return sorted(
@@ -84,14 +91,16 @@ def save_archive(out: Path, archive: Path) -> list[str]:
     (archive / _MANIFEST).write_text(json.dumps({"out": str(out)}) + "\n")
     written = []
     sft = out / "sft"
-    has_start = _finished(sft) and (sft / "checkpoints" / "0").is_dir()
-    if has_start and not _finished(archive / "sft"):
+    if _finished(sft) and (sft / "checkpoints" / "0").is_dir() and not _same(sft, archive / "sft"):
+        # A new SFT start voids every run of the old one (as the study does in `out`).
+        for old in ("signature", "runs"):
+            shutil.rmtree(archive / old, ignore_errors=True)
         _copy_tree(sft, archive / "sft", keep_step=0)
         written.append("sft")
     for run in _runs(out):
         rel = run.relative_to(out)
         dst = archive / rel
-        if _finished(dst) and (dst / "done.json").read_bytes() == (run / "done.json").read_bytes():
+        if _same(run, dst):
             continue
         dst.parent.mkdir(parents=True, exist_ok=True)
         _copy_tree(run, dst)
@@ -103,6 +112,11 @@ def restore_archive(archive: Path, out: Path) -> list[str]:
     """Copy into `out` what `archive` holds and `out` lacks finished; returns the runs copied."""
     archive, out = Path(archive), Path(out)
     _check_manifest(archive, out)
+    if _finished(out / "sft") and not _same(out / "sft", archive / "sft"):
+        raise ArchiveError(
+            f"{out} holds another SFT start than the archive {archive}: its runs descend from "
+            "the archive's; move one of them aside"
+        )
     copied = []
     for src in ([archive / "sft"] if _finished(archive / "sft") else []) + _runs(archive):
         rel = src.relative_to(archive)

@@ -58,6 +58,7 @@ __all__ = [
     "steps_to_target",
     "bootstrap_diff",
     "bootstrap_ratio",
+    "collapse",
     "summarise",
     "plot_study",
     "restore_checkpoint",
@@ -84,8 +85,12 @@ ARMS: dict[str, tuple[str, ...]] = {
     "adaptive": ("rollout.kv.adaptive.enabled=true",),
     "replay": ("rollout.record_evictions=true", "learner.attention_mask=replay"),
 }
-# A run collapsed when its final held-out greedy reward (decoded as it was trained) is below
-# this fraction of the SFT start's, decoded the same way, or a step skipped a non-finite update.
+# A run collapsed (`collapse`) when, at the end, its held-out reward decoded with the full cache
+# (sampled, the policy RL trains; greedy when no sampled figure) is below this fraction of the
+# SFT start's, or its training reward (trailing mean of TARGET_WINDOW steps) is below this
+# fraction of the best it reached, or a step skipped a non-finite update. Decoded as trained, a
+# sparse arm's reward can be 0 from the start, and greedy falls under RL where sampling does not
+# (the tagged task: docs/reproductions.md): neither decides a collapse, both are reported.
 COLLAPSE_FRACTION = 0.5
 # Time-to-target: the first RL step at which a run's training reward, averaged over the last
 # TARGET_WINDOW steps, reaches TARGET_FRACTION of the dense arm's final training reward (its
@@ -339,14 +344,10 @@ def run_record(rows: list[dict], cfg: Config, prompt_tokens: float) -> dict[str,
 
     start, final = rows[0], rows[-1]
     greedy0, greedy = start.get("val/greedy_reward_mean"), final.get("val/greedy_reward_mean")
-    collapsed = bool(
-        (greedy0 is not None and greedy is not None and greedy < COLLAPSE_FRACTION * greedy0)
-        or any(r.get("actor/nonfinite_skips", 0) for r in steps)
-    )
     dense_final = final.get(
         "val/dense_greedy_reward_mean", greedy if not cfg.rollout.sparse else None
     )
-    return {
+    record = {
         "steps": len(steps),
         "train_reward": [r["critic/score/mean"] for r in steps],
         "train_reward_first3": float(np.mean([r["critic/score/mean"] for r in steps[:3]])),
@@ -378,7 +379,36 @@ def run_record(rows: list[dict], cfg: Config, prompt_tokens: float) -> dict[str,
         "mismatch_kl": mean("correction/mismatch_kl"),
         "rho_p5": mean("correction/rho_p5"),
         "kv_budget_mean": mean("rollout/kv_budget"),
-        "collapsed": collapsed,
+    }
+    nonfinite = any(r.get("actor/nonfinite_skips", 0) for r in steps)
+    return record | collapse(record, nonfinite=nonfinite)
+
+
+def collapse(rec: dict[str, Any], *, nonfinite: bool = False) -> dict[str, Any]:
+    """Whether a run collapsed (`COLLAPSE_FRACTION`), and by which measure: `collapse_dense`
+    (the full-cache held-out reward at the end against the start's), `collapse_train` (the
+    training reward's trailing mean at the end against its best); `greedy_fell`: the greedy
+    reward decoded as trained fell below the same fraction (reported, not a collapse)."""
+
+    def fell(start, end):
+        return start is not None and end is not None and end < COLLAPSE_FRACTION * start
+
+    sampled = rec["dense_sampled_start"] is not None and rec["dense_sampled_final"] is not None
+    dense = (
+        fell(rec["dense_sampled_start"], rec["dense_sampled_final"])
+        if sampled
+        else fell(rec["dense_greedy_start"], rec["dense_greedy_final"])
+    )
+    curve = rec["train_reward"]
+    trailing = [
+        float(np.mean(curve[max(0, i + 1 - TARGET_WINDOW) : i + 1])) for i in range(len(curve))
+    ]
+    train = bool(trailing) and fell(max(trailing), trailing[-1])
+    return {
+        "collapse_dense": dense,
+        "collapse_train": train,
+        "greedy_fell": fell(rec["greedy_start"], rec["greedy_final"]),
+        "collapsed": bool(dense or train or nonfinite),
     }
 
 
@@ -685,7 +715,8 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 decoded = [r.get("sparse_decoded", {}).get(b, {}) for r in group]
                 cell["greedy_final"] = _stat([d.get("greedy") for d in decoded])
                 cell["sampled_final"] = _stat([d.get("sampled") for d in decoded])
-            cell["collapsed"] = sum(r["collapsed"] for r in group)
+            for key in ("collapsed", "collapse_dense", "collapse_train", "greedy_fell"):
+                cell[key] = sum(bool(r.get(key)) for r in group)  # runs, of the seeds
             if any("heldout_dense_greedy" in r for r in group):  # `Study.heldout`
                 cell["heldout_prompts"] = max(r.get("heldout_prompts", 0) for r in group)
                 for key, stored in (

@@ -508,3 +508,40 @@ def test_greedy_tags_reads_lines_tags_and_the_first_broken_line():
     assert read_lines("7*3=", "\n1ww7\n2ww14")["broken_at"] == 3
     with pytest.raises(ValueError, match="not a repeat-task prompt"):
         read_lines("12+3=", "\n15")
+
+
+def test_collapse_reads_the_dense_decoded_reward_and_the_training_trajectory():
+    """Issue 31: a collapse is read on the full-cache held-out reward and on the training
+    reward's trajectory, never on the reward decoded as trained (0 from the start at a small
+    budget) nor on greedy alone (it falls under RL where sampling does not: the tagged task)."""
+    from benchmarks.repro_sparse_rl import collapse
+
+    base = {
+        "dense_sampled_start": 0.45,
+        "dense_sampled_final": 0.80,
+        "dense_greedy_start": 0.94,
+        "dense_greedy_final": 0.36,  # greedy fell, sampled rose: not a collapse
+        "greedy_start": 0.0,
+        "greedy_final": 0.0,
+        "train_reward": [0.5, 0.6, 0.7, 0.8, 0.9, 0.9],
+    }
+    got = collapse(base)
+    assert got == {
+        "collapse_dense": False,
+        "collapse_train": False,
+        "greedy_fell": False,
+        "collapsed": False,
+    }
+    assert collapse(base | {"dense_sampled_final": 0.2})["collapse_dense"]
+    assert collapse(base | {"greedy_start": 0.9, "greedy_final": 0.4})["greedy_fell"]
+    assert not collapse(base | {"greedy_start": 0.9, "greedy_final": 0.4})["collapsed"]
+    # No sampled figure: greedy (full cache) decides.
+    no_sampled = base | {"dense_sampled_start": None, "dense_sampled_final": None}
+    assert collapse(no_sampled)["collapse_dense"]
+    # The training reward rose to a trailing mean of 0.7 (steps 1-5 of 0.7), then fell: the
+    # trailing mean of the last 5 steps (0.14) is below half of it.
+    fall = base | {"train_reward": [0.7] * 5 + [0.1] * 5}
+    assert collapse(fall)["collapse_train"] and collapse(fall)["collapsed"]
+    # Half-way down is not a collapse; a non-finite update is.
+    assert not collapse(base | {"train_reward": [0.7] * 5 + [0.4] * 5})["collapse_train"]
+    assert collapse(base, nonfinite=True)["collapsed"]

@@ -237,9 +237,21 @@ _SFT_SECTIONS = ("model", "tokenizer", "data", "sft")  # what the warm start dep
 _RL_BATCHING = ("batch_size", "shuffle", "num_epochs", "drop_remainder")
 
 
+# ... and how the model computes teacher forcing rather than what it is: the attention kernel
+# and its blocks, the MLP's chunks, rematerialisation change a start's bits by float rounding
+# at most, so an arm may run a faster layout than the start was trained with (on CPU the
+# chunked attention in 128-token blocks is 0.6x the learner step of 512: docs/reproductions.md).
+_COMPUTE_LAYOUT = ("remat", "attention", "attention_block", "mlp_chunk")
+
+
 def _sft_view(config: dict) -> dict:
     view = {k: config.get(k) for k in _SFT_SECTIONS}
     view["data"] = {k: v for k, v in (view["data"] or {}).items() if k not in _RL_BATCHING}
+
+    def model(section):
+        return {k: v for k, v in (section or {}).items() if k not in _COMPUTE_LAYOUT}
+
+    view["model"] = model(view["model"]) | {"arch": model((view["model"] or {}).get("arch"))}
     return view
 
 

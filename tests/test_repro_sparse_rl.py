@@ -203,6 +203,10 @@ def test_sft_start_is_kept_across_rl_batching_but_not_across_its_data(tmp_path):
     (tmp_path / "done.json").write_text(json.dumps({"config": to_dict(cfg()), "summary": {}}))
     assert study._sft_done(cfg())
     assert study._sft_done(cfg("data.batch_size=3", "data.shuffle=false", "train.steps=7"))
+    # How teacher forcing computes is not what the start is: a faster layout keeps it.
+    assert study._sft_done(cfg("model.attention_block=128", "model.remat=true"))
+    assert study._sft_done(cfg("model.attention=dense", "model.mlp_chunk=0"))
+    assert not study._sft_done(cfg("model.dtype=bfloat16"))
     assert not study._sft_done(cfg("data.seed=5"))
     # A key the code gained since the run was saved reads at its default: still the same run.
     saved = json.loads((tmp_path / "done.json").read_text())

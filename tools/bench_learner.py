@@ -55,6 +55,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--remat", action="store_true")
+    p.add_argument(
+        "--attention-block",
+        type=int,
+        default=None,
+        help="the chunked attention's query/key block (default: the preset's)",
+    )
     p.add_argument("--fsdp", type=int, default=-1, help="mesh fsdp size (-1: all devices)")
     p.add_argument("--tensor", type=int, default=1)
     p.add_argument("--no-mesh", action="store_true", help="run on the default device only")
@@ -78,6 +84,8 @@ def main() -> None:
     args = p.parse_args()
 
     cfg = model_config(args.preset, args.dtype, args.remat)
+    if args.attention_block is not None:
+        cfg = cfg.replace(attention_block=args.attention_block)
     model = Transformer(cfg, rngs=nnx.Rngs(args.seed))
     learner_cfg = LearnerConfig(
         optimizer=OptimizerConfig(learning_rate=1e-6),
@@ -127,6 +135,7 @@ def main() -> None:
         dtype=args.dtype,
         micro_batches=args.micro_batches,
         attention_mask=args.attention_mask,
+        attention_block=cfg.attention_block,
     )
     print(
         f"{args.preset} {args.dtype} B={args.batch} T={args.seq_len} "

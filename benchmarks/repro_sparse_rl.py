@@ -28,7 +28,9 @@ tokens, the Sparse-RL masked-token / rejected-sequence fractions, and whether it
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import shutil
@@ -317,6 +319,34 @@ def _run(
         return summary
     if finished_only:
         raise NotFinished(f"no finished run of this config in {name}")
+    with run_lock(Path(cfg.run_dir), log):
+        summary = _done(cfg)  # another process may have finished it while this one waited
+        if summary is not None:
+            log(f"  [{name}] done by another process: kept")
+            return summary
+        return _start_or_resume(cfg, src_run, step, log)
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path, log: Callable[[str], None]):
+    """Hold `run_dir`'s lock (a sibling `.<name>.lock`, flock): two processes of a study (arms
+    side by side) that both need a run not yet done (the signature, a new SFT layout) run it
+    once, the second waiting for the first, never both in one directory."""
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(run_dir.with_name(f".{run_dir.name}.lock"), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log(f"  [{run_dir.name}] another process runs it: waiting")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _start_or_resume(cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
+    name = Path(cfg.run_dir).name
     resume_at = _resumable(cfg)
     if resume_at is None:
         if not (src_run / "checkpoints" / str(step)).is_dir():
@@ -329,6 +359,20 @@ def _run(
     else:
         log(f"  [{name}] cut off before: resumes from its checkpoint {resume_at}")
     return _train(cfg, log)
+
+
+def _make_sft(sft: Config, out: Path, log: Callable[[str], None]) -> None:
+    sft_dir = Path(sft.run_dir)
+    log(f"SFT warm start -> {sft_dir}")
+    # Every run of the study descends from the SFT start: a new one voids them all. One of
+    # these settings cut off mid-way is kept: the warm start resumes from its progress.
+    view, settings = sft_dir / _SFT_VIEW, _sft_view(_as_saved(sft))
+    keep = view.exists() and json.loads(view.read_text()) == settings
+    for old in ("signature", "runs") if keep else ("sft", "signature", "runs"):
+        shutil.rmtree(out / old, ignore_errors=True)
+    sft_dir.mkdir(parents=True, exist_ok=True)
+    view.write_text(json.dumps(settings))
+    _train(sft, log)
 
 
 def _mean_prompt_tokens(cfg: Config) -> float:
@@ -439,16 +483,9 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
             raise NotFinished(
                 f"no finished SFT start of this config in {sft_dir}: nothing to report"
             )
-        log(f"SFT warm start -> {sft_dir}")
-        # Every run of the study descends from the SFT start: a new one voids them all. One
-        # of these settings cut off mid-way is kept: the warm start resumes from its progress.
-        view, settings = sft_dir / _SFT_VIEW, _sft_view(_as_saved(sft))
-        keep = view.exists() and json.loads(view.read_text()) == settings
-        for old in ("signature", "runs") if keep else ("sft", "signature", "runs"):
-            shutil.rmtree(out / old, ignore_errors=True)
-        sft_dir.mkdir(parents=True, exist_ok=True)
-        view.write_text(json.dumps(settings))
-        _train(sft, log)
+        with run_lock(sft_dir, log):
+            if not _sft_done(sft):  # not made by another process meanwhile
+                _make_sft(sft, out, log)
     base = study.cfg()
     prompt_tokens = _mean_prompt_tokens(base)
 

@@ -549,3 +549,37 @@ def test_collapse_reads_the_dense_decoded_reward_and_the_training_trajectory():
     # Half-way down is not a collapse; a non-finite update is.
     assert not collapse(base | {"train_reward": [0.7] * 5 + [0.4] * 5})["collapse_train"]
     assert collapse(base, nonfinite=True)["collapsed"]
+
+
+def test_a_run_two_processes_need_is_run_once(tmp_path):
+    """Two arms side by side that both need a run not yet done (the signature): the second
+    waits on the run's lock instead of training in the same directory."""
+    import subprocess
+    import time
+
+    from benchmarks.repro_sparse_rl import run_lock
+
+    run = tmp_path / "signature" / "b8"
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; sys.path.insert(0, sys.argv[1]);"
+            "from pathlib import Path; from benchmarks.repro_sparse_rl import run_lock\n"
+            "with run_lock(Path(sys.argv[2]), print):\n"
+            "    print('held', flush=True); time.sleep(3)",
+            str(ROOT),
+            str(run),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert holder.stdout.readline().strip() == "held"
+    logs, start = [], time.monotonic()
+    with run_lock(run, logs.append):
+        waited = time.monotonic() - start
+    holder.wait(timeout=30)
+    assert logs == ["  [b8] another process runs it: waiting"] and waited > 1
+    with run_lock(run, logs.append):  # free again: no wait
+        pass
+    assert len(logs) == 1

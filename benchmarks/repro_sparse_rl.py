@@ -455,10 +455,7 @@ def collapse(rec: dict[str, Any], *, nonfinite: bool = False) -> dict[str, Any]:
         if sampled
         else fell(rec["dense_greedy_start"], rec["dense_greedy_final"])
     )
-    curve = rec["train_reward"]
-    trailing = [
-        float(np.mean(curve[max(0, i + 1 - TARGET_WINDOW) : i + 1])) for i in range(len(curve))
-    ]
+    trailing = trailing_means(rec["train_reward"])
     train = bool(trailing) and fell(max(trailing), trailing[-1])
     return {
         "collapse_dense": dense,
@@ -702,11 +699,16 @@ def bootstrap_diff(
     return out
 
 
+def trailing_means(curve: Sequence[float], window: int = TARGET_WINDOW) -> list[float]:
+    """At each step, the mean of the last `window` values of `curve` (fewer at the start)."""
+    return [float(np.mean(curve[max(0, i + 1 - window) : i + 1])) for i in range(len(curve))]
+
+
 def steps_to_target(curve: Sequence[float], target: float, window: int = TARGET_WINDOW):
     """The first step (1-based) at which the mean of the last `window` values of `curve` (fewer
     at the start) reaches `target`; None if it never does."""
-    for i in range(len(curve)):
-        if float(np.mean(curve[max(0, i + 1 - window) : i + 1])) >= target:
+    for i, m in enumerate(trailing_means(curve, window)):
+        if m >= target:
             return i + 1
     return None
 

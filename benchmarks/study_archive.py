@@ -62,9 +62,13 @@ def _same(run: Path, other: Path) -> bool:
 
 
 def _runs(root: Path) -> list[Path]:
-    """The finished runs of a study directory (or an archive) under `signature/` and `runs/`."""
+    """The finished runs of a study directory (or an archive) under `signature/` and `runs/`
+    (not a copy `_copy_tree` left half-renamed by a crash, `.<name>.tmp<pid>`/`.old<pid>`)."""
     return sorted(
-        p for group in ("signature", "runs") for p in (root / group).glob("*") if _finished(p)
+        p
+        for group in ("signature", "runs")
+        for p in (root / group).glob("*")
+        if _finished(p) and not p.name.startswith(".")
     )
 
 

@@ -50,6 +50,9 @@ def test_archive_keeps_the_sft_start_and_finished_runs_without_checkpoints(tmp_p
         "signature/b8/metrics.jsonl",
     ]
     assert save_archive(out, archive) == []
+    # A copy a crash left half-renamed (a finished run under a dot name) is no run.
+    _run(out, "runs/.dense_s1.tmp99", done="d1")
+    assert save_archive(out, archive) == []
     # On a machine without `out`: everything back but the left-out run; nothing finished in
     # `out` is overwritten, an unfinished run of the same name is replaced.
     out.rename(tmp_path / "old")

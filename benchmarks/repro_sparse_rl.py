@@ -166,7 +166,7 @@ class Study:
     steps: int | None = None  # None: the config's train.steps
     overrides: tuple[str, ...] = ()
     check_signature: bool = True  # stop before the arms when `SIGNATURE` fails at L/4
-    heldout: int = 0  # > 0: each run's final weights decoded greedy on this many held-out prompts
+    heldout: int = 0  # > 0: each run's final weights decoded on this many held-out prompts
     # Only report what is on disk: runs (and their held-out decodes) not finished are left out,
     # never started or resumed (a study run in pieces, read while some of it still runs).
     finished_only: bool = False
@@ -640,25 +640,28 @@ def _decode_sparse(
 def _heldout(
     study: Study, run: Path, step: int, budgets: Sequence[int], log
 ) -> dict[str, float | int]:
-    """A run's final weights (checkpoint `step`) on the study's large held-out set, one greedy
-    completion per prompt (`train.eval_sampled=false`), decoded with the full cache
-    (`heldout_dense_greedy`, once, with the first budget) and with the config's sparse cache at
-    each of `budgets` (`heldout_greedy_b<B>`): every arm decoded the same way, whatever cache it
-    trained with."""
+    """A run's final weights (checkpoint `step`) on the study's large held-out set: one greedy
+    completion and one sampled at the training temperature per prompt (`train.eval_samples=1`:
+    a training group's decoding spread over 8x the prompts), decoded with the full cache
+    (`heldout_dense_greedy`, `heldout_dense_sampled`, once, with the first budget) and with the
+    config's sparse cache at each of `budgets` (`heldout_greedy_b<B>`, `heldout_sampled_b<B>`):
+    every arm decoded the same way, whatever cache it trained with."""
     out: dict[str, float | int] = {"heldout_prompts": study.heldout}
     for i, b in enumerate(budgets):
         cfg = study.cfg(
             f"run_dir={run.parent / f'{run.name}_heldout{study.heldout}_b{b}'}",
             f"train.steps={step}",
             f"train.eval_examples={study.heldout}",
-            "train.eval_sampled=false",
+            "train.eval_samples=1",
             f"train.eval_dense={str(i == 0).lower()}",
             f"rollout.kv.budget={b}",
         )
         study.run(cfg, run, step, log)
         row = read_metrics(cfg.run_dir)[0]
         out.setdefault("heldout_dense_greedy", row.get("val/dense_greedy_reward_mean"))
+        out.setdefault("heldout_dense_sampled", row.get("val/dense_reward_mean"))
         out[f"heldout_greedy_b{b}"] = row["val/greedy_reward_mean"]
+        out[f"heldout_sampled_b{b}"] = row["val/reward_mean"]
     return out
 
 
@@ -770,12 +773,14 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 cell[key] = sum(bool(r.get(key)) for r in group)  # runs, of the seeds
             if any("heldout_dense_greedy" in r for r in group):  # `Study.heldout`
                 cell["heldout_prompts"] = max(r.get("heldout_prompts", 0) for r in group)
-                for key, stored in (
-                    ("heldout_dense_greedy", "heldout_dense_greedy"),
-                    ("heldout_greedy", f"heldout_greedy_b{b}"),
+                for key, stored, ref in (
+                    ("heldout_dense_greedy", "heldout_dense_greedy", "heldout_dense_greedy"),
+                    ("heldout_greedy", f"heldout_greedy_b{b}", "heldout_dense_greedy"),
+                    ("heldout_dense_sampled", "heldout_dense_sampled", "heldout_dense_sampled"),
+                    ("heldout_sampled", f"heldout_sampled_b{b}", "heldout_dense_sampled"),
                 ):
                     cell[key] = _stat([r.get(stored) for r in group])
-                    pairs = _paired(group, dense, stored, "heldout_dense_greedy")
+                    pairs = _paired(group, dense, stored, ref)
                     cell[f"{key}_vs_dense_ci"] = bootstrap_ratio(pairs)
             for key, ref in (("dense_greedy", dense_final), ("dense_sampled", dense_sampled)):
                 if ref["mean"] and cell[f"{key}_final"]["mean"] is not None:
@@ -810,9 +815,11 @@ def _targets(raw: dict, cells: list[dict]) -> list[dict]:
         corr, naive = by_arm.get("corrected"), by_arm.get("naive")
         if corr is None:
             continue
-        # Seed-paired ratios (a seed whose dense run is missing does not count); the greedy
-        # one from the large held-out set where the study decoded one.
-        sampled = (corr.get("dense_sampled_vs_dense_ci") or {}).get("ratio")
+        # Seed-paired ratios (a seed whose dense run is missing does not count), from the
+        # large held-out set where the study decoded one.
+        sampled = (corr.get("heldout_dense_sampled_vs_dense_ci") or {}).get("ratio")
+        if sampled is None:
+            sampled = (corr.get("dense_sampled_vs_dense_ci") or {}).get("ratio")
         greedy = (corr.get("heldout_dense_greedy_vs_dense_ci") or {}).get("ratio")
         if greedy is None:
             greedy = (corr.get("dense_greedy_vs_dense_ci") or {}).get("ratio")
@@ -839,12 +846,12 @@ def _targets(raw: dict, cells: list[dict]) -> list[dict]:
                 [r for r in raw["runs"] if r["arm"] == a and r["budget"] == b]
                 for a in ("naive", "corrected")
             )
-            for key in ("dense_sampled_final", "heldout_dense_greedy"):
+            keys = ("dense_sampled_final", "heldout_dense_sampled", "heldout_dense_greedy")
+            for key in keys:
                 ci = bootstrap_diff(_paired(naive_runs, corr_runs, key))
                 row[f"naive_minus_corrected_{key}"] = ci
             row["naive_measurably_below"] = any(
-                (row[f"naive_minus_corrected_{k}"]["hi"] or 0) < 0
-                for k in ("dense_sampled_final", "heldout_dense_greedy")
+                (row[f"naive_minus_corrected_{k}"]["hi"] or 0) < 0 for k in keys
             )
         out.append(row)
     return out

@@ -173,6 +173,9 @@ class TrainConfig:
       eval_sampled: also decode each held-out prompt's group of sampled completions
         (`val/reward_mean`); false keeps only the greedy completion (`val/greedy_reward_mean`,
         verl's default `do_sample: false`), a group's worth less decoding per prompt.
+      eval_samples: completions sampled per held-out prompt (0: `rollout.n_samples`, a
+        training group); 1 spreads the same decoding over more prompts (a large held-out set
+        read at the training temperature, one sample each).
       tensorboard: also write TensorBoard event files (needs tensorboardX).
       progress: show a progress bar with ETA on the console.
       plot: write `metrics.png` in the run directory at the end.
@@ -193,6 +196,7 @@ class TrainConfig:
     eval_examples: int = 64
     eval_dense: bool = False
     eval_sampled: bool = True
+    eval_samples: int = 0
     tensorboard: bool = False
     progress: bool = True
     plot: bool = True
@@ -218,8 +222,10 @@ class TrainConfig:
                 f"train.save_every and train.keep_checkpoints must be >= 1, got "
                 f"{self.save_every}, {self.keep_checkpoints}"
             )
-        if self.eval_every < 0 or self.eval_examples < 0:
-            raise ConfigError("train.eval_every and train.eval_examples must be >= 0")
+        if min(self.eval_every, self.eval_examples, self.eval_samples) < 0:
+            raise ConfigError(
+                "train.eval_every, train.eval_examples and train.eval_samples must be >= 0"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -154,6 +154,9 @@ class Sampler:
     )
     # The sampled and greedy engines with the full cache (`train.eval_dense`), built on first use.
     dense_engines: tuple[RolloutEngine, RolloutEngine] | None = None
+    # A sampled engine's twin with another group size (`train.eval_samples`), by the engine
+    # and the size; built on first use.
+    regrouped: dict[tuple[int, int], RolloutEngine] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def create(
@@ -201,6 +204,16 @@ class Sampler:
             self.by_budget[budget] = _engines(self.model, rollout, self.mesh)
         self.engine, self.eval_engine = self.by_budget[budget]
         self.kv_budget = budget
+
+    def _group_of(self, engine: RolloutEngine, samples: int) -> RolloutEngine:
+        """`engine`, or its twin sampling `samples` completions per prompt."""
+        if samples == engine.config.n_samples:
+            return engine
+        key = (id(engine), samples)  # the engines it regroups are kept for the sampler's life
+        if key not in self.regrouped:
+            config = dataclasses.replace(engine.config, n_samples=samples)
+            self.regrouped[key] = RolloutEngine(self.model, config, mesh=self.mesh)
+        return self.regrouped[key]
 
     @property
     def version(self) -> int:
@@ -254,13 +267,15 @@ class Sampler:
         *,
         dense: bool = False,
         sampled: bool = True,
+        samples: int = 0,
     ) -> dict[str, float]:
         """Held-out reward of the held weights on `examples` (`prompts`: their token ids): the
         mean over a group of completions per prompt sampled like the training rollouts, with
         fixed seeds (`val/reward_mean`: the policy RL improves; left out when not `sampled`),
         and of one greedy completion per prompt (`val/greedy_reward_mean`); both decode with
         the rollouts' KV cache. `dense` (with a compressed cache): the same decoded with the
-        full cache (`val/dense_reward_mean`, `val/dense_greedy_reward_mean`)."""
+        full cache (`val/dense_reward_mean`, `val/dense_greedy_reward_mean`). `samples`: the
+        sampled group's size per prompt (0: the rollouts' `n_samples`)."""
         if not examples:
             return {}
         params = self.params()
@@ -274,6 +289,8 @@ class Sampler:
             engines += [("val/dense_", self.dense_engines[0])]
             engines += [("val/dense_greedy_", self.dense_engines[1])]
         for prefix, engine in engines if sampled else engines[1::2]:
+            if engine.config.temperature > 0 and samples:
+                engine = self._group_of(engine, samples)
             result = engine.generate(prompts, params=params, seeds=seeds)
             group = len(result.prompt_ids) // len(prompts)
             texts = completion_texts(result, tokenizer)

@@ -78,15 +78,24 @@ def test_quick_study_runs_and_shares_one_sft_start(tmp_path, capsys, monkeypatch
     assert ci["n"] == 1 and ci["lo"] is None  # one seed: a ratio, no interval
     assert "reached_target" in cells["corrected"] and result["target_reward"] is not None
     assert (out / "curves.png").stat().st_size > 0
-    # --heldout: every run's final weights decoded greedy on 6 prompts, dense and at budget 8.
+    # --heldout: every run's final weights decoded on 6 prompts, one greedy completion and one
+    # sampled each, dense and at budget 8.
     for arm in ("dense", "corrected"):
         heldout = out / "runs" / f"{arm}_s0{'' if arm == 'dense' else '_b8'}_heldout6_b8"
         [row] = read_metrics(heldout)
-        assert "val/reward_mean" not in row
+        cfg = json.loads((heldout / "config.json").read_text())
+        assert cfg["train"]["eval_samples"] == 1 and cfg["train"]["eval_examples"] == 6
         assert cells[arm]["heldout_prompts"] == 6
-        assert cells[arm]["heldout_greedy"]["mean"] == row["val/greedy_reward_mean"]
-        assert cells[arm]["heldout_dense_greedy"]["mean"] == row["val/dense_greedy_reward_mean"]
-    assert cells["dense"]["heldout_dense_greedy_vs_dense_ci"]["ratio"] in (1.0, None)
+        for key, name in (
+            ("heldout_greedy", "greedy_reward_mean"),
+            ("heldout_dense_greedy", "dense_greedy_reward_mean"),
+            ("heldout_sampled", "reward_mean"),
+            ("heldout_dense_sampled", "dense_reward_mean"),
+        ):
+            assert cells[arm][key]["mean"] == row[f"val/{name}"], key
+            assert row[f"val/{name}"] * 6 == pytest.approx(round(row[f"val/{name}"] * 6))
+    for key in ("heldout_dense_greedy", "heldout_dense_sampled"):
+        assert cells["dense"][f"{key}_vs_dense_ci"]["ratio"] in (1.0, None)
     assert result["targets"][0]["greedy_heldout_prompts"] == 6
     # tools/token_mismatch.py on the SFT start at the study's budget: every token after an
     # eviction has one kind, and the kinds' tails add up to the whole tail.
@@ -446,6 +455,20 @@ def test_summary_pairs_arms_with_dense_by_seed():
     assert cells["dense"]["steps_to_target"]["mean"] == 6
     assert cells["corrected"]["reached_target"] == 0
     assert cells["dense"]["reached_target"] == 3
+    # With the large held-out set decoded (sampled, one per prompt), the targets read it first.
+    held = {"dense": (0.8, 0.6, 0.7), "corrected": (0.76, 0.57, 0.665), "naive": (0.4,) * 3}
+    for r in raw["runs"]:
+        v = held[r["arm"]][r["seed"]]
+        r |= {"heldout_prompts": 1024, "heldout_dense_greedy": v, "heldout_dense_sampled": v}
+        r |= {"heldout_greedy_b8": v, "heldout_sampled_b8": v}
+    out = summarise(raw)
+    [target] = out["targets"]
+    cells = {c["arm"]: c for c in out["cells"]}
+    assert target["corrected_vs_dense_sampled"] == pytest.approx(0.95)
+    assert cells["corrected"]["heldout_sampled_vs_dense_ci"]["ratio"] == pytest.approx(0.95)
+    assert not target["corrected_ge_97pct"]
+    gap = target["naive_minus_corrected_heldout_dense_sampled"]
+    assert gap["diff"] == pytest.approx(-(0.76 + 0.57 + 0.665) / 3 + 0.4) and gap["hi"] < 0
 
 
 def test_token_mismatch_kinds_of_a_tagged_completion():

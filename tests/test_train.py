@@ -360,6 +360,46 @@ def test_greedy_only_evaluation_keeps_the_greedy_figures(tmp_path):
     assert any("held-out reward greedy" in m for m in logs), logs
 
 
+def test_eval_samples_samples_each_held_out_prompt_that_many_times(tmp_path, monkeypatch):
+    """`train.eval_samples=1`: each sampled held-out decode (the run's cache and, with
+    `eval_dense`, the full one) draws one completion per prompt, and it is the first sample of
+    the training-size group (same per-prompt seeds); the greedy decodes are unchanged. A
+    negative count is refused in one line."""
+    from sparserl_jax.config import ConfigError
+    from sparserl_jax.rollout import RolloutEngine
+
+    calls = []
+    generate = RolloutEngine.generate
+
+    def spy(self, prompts, **kw):
+        res = generate(self, prompts, **kw)
+        calls.append((self.config.temperature, self.config.n_samples, res.completion_ids))
+        return res
+
+    monkeypatch.setattr(RolloutEngine, "generate", spy)
+    base = ["train.steps=0", "train.eval_examples=3", "data.batch_size=4", "train.eval_dense=true"]
+    group = load_config(TINY, [f"run_dir={tmp_path / 'group'}", *base])
+    one = load_config(TINY, [f"run_dir={tmp_path / 'one'}", *base, "train.eval_samples=1"])
+    n = group.rollout.n_samples
+    assert n > 1 and group.rollout.kv is not None
+    train(group, log_fn=lambda m: None)
+    by_group, calls[:] = list(calls), []
+    train(one, log_fn=lambda m: None)
+    sampled = [(c, g) for c, g in zip(calls, by_group, strict=True) if c[0] > 0]
+    assert len(sampled) == 2  # the run's cache and the full one
+    for (_, size, ids), (_, group_size, group_ids) in sampled:
+        assert (size, group_size, len(ids)) == (1, n, 3)
+        # The same keys draw the same tokens, up to a near-tie that the other batch's float
+        # rounding flips (and all that follows it in that row); other keys would agree on ~1%.
+        assert np.mean(ids == group_ids[::n]) > 0.9
+    greedy = [(c[2], g[2]) for c, g in zip(calls, by_group, strict=True) if c[0] == 0]
+    assert len(greedy) == 2
+    for ids, want in greedy:
+        np.testing.assert_array_equal(ids, want)
+    with pytest.raises(ConfigError, match="eval_samples must be >= 0"):
+        load_config(TINY, [*base, "train.eval_samples=-1"])
+
+
 def test_a_resumed_run_does_not_decode_an_evaluation_on_record(tmp_path, monkeypatch):
     """Resumed at a step whose row holds the held-out evaluation (here the first run's "after"
     one), the run takes it from the row (same weights, same seeds) instead of decoding the

@@ -20,8 +20,8 @@ and exits with status 2 (`--no-signature-check` runs the arms anyway; `--quick` 
 
 Writes under --out: `sft/` (the shared warm start), `signature/b<B>/` (the SFT model decoded with
 each budget, no training), `runs/<arm>_s<seed>[_b<B>]/` (each run's metrics.jsonl; with
-`--heldout N`, `..._heldout<N>_b<B>/`: its final weights decoded greedy on N held-out prompts,
-dense and at budget B, for every arm alike), `raw.json`,
+`--heldout N`, `..._heldout<N>_b<B>/`: its final weights decoded on N held-out prompts, one
+greedy and one sampled completion each, dense and at budget B, for every arm alike), `raw.json`,
 `curves.png` (training reward per budget, mean over seeds with a min-max band). Prints one line
 per finished run, then one JSON line: the signature, a cell per (arm, budget) with means over
 seeds, and the issue's targets at budgets <= L/4. `--set KEY=VALUE` (repeatable) overrides any
@@ -83,8 +83,9 @@ def main(argv: list[str] | None = None) -> dict:
         type=int,
         default=0,
         metavar="N",
-        help="also decode each run's final weights greedy on N held-out prompts, dense and at "
-        "each budget (the ratio-to-dense target then reads them)",
+        help="also decode each run's final weights on N held-out prompts (one greedy and one "
+        "sampled completion each), dense and at each budget (the ratio-to-dense target then "
+        "reads them)",
     )
     p.add_argument(
         "--finished-only",

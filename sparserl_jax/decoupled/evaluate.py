@@ -26,6 +26,12 @@ class Evaluator:
         self.examples = examples
         self.prompts = encode_prompts(self.examples, tokenizer, max_len=rcfg.max_prompt_len)
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
+        tcfg = cfg.train  # decoded as `sparserl train` decodes its held-out set
+        self.how = {
+            "dense": tcfg.eval_dense,
+            "sampled": tcfg.eval_sampled,
+            "samples": tcfg.eval_samples,
+        }
         self.sampler = Sampler.create(
             learner.model(params),
             params,
@@ -40,4 +46,6 @@ class Evaluator:
         for e in self.sampler.sync(transport):
             if e.error is not None:
                 raise RuntimeError(f"evaluator: {e.kind} {e.version} refused: {e.error}")
-        return self.sampler.evaluate(self.examples, self.prompts, self.tokenizer, self.reward_fn)
+        return self.sampler.evaluate(
+            self.examples, self.prompts, self.tokenizer, self.reward_fn, **self.how
+        )

@@ -2,12 +2,15 @@
 left out, and the SFT start that voids the runs of another."""
 
 import json
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from benchmarks.study_archive import ArchiveError, restore_archive, save_archive  # noqa: E402
 
@@ -61,6 +64,26 @@ def test_archive_keeps_the_sft_start_and_finished_runs_without_checkpoints(tmp_p
     assert not (out / "runs" / "dense_s0" / "checkpoints").exists()
     assert (out / "sft" / "checkpoints" / "0" / "state").read_bytes() == b"x" * 10
     assert restore_archive(archive, out) == []
+
+
+@pytest.mark.skipif(
+    shutil.which("git") is None or not (ROOT / ".git").exists(), reason="not a git checkout"
+)
+def test_an_archive_in_the_repository_is_committed_whole(tmp_path):
+    """An archive kept under `docs/studies/` (as the README's studies are) must not lose a
+    file to `.gitignore`: a `runs/` pattern that matched at any depth once left every archived
+    arm out of the commits, so the next machine had the SFT start and the signature only."""
+    out, archive = _study(tmp_path / "out"), tmp_path / "archive"
+    save_archive(out, archive)
+    paths = [f"docs/studies/any_study/{f}" for f in _files(archive)]
+    check = subprocess.run(
+        ["git", "check-ignore", "--no-index", "--stdin"],
+        cwd=ROOT,
+        input="\n".join(paths),
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 1, f"git ignores: {check.stdout.split()}"  # 1: none ignored
 
 
 def test_a_new_sft_start_voids_the_archived_runs_and_refuses_a_mixed_restore(tmp_path):

@@ -227,6 +227,15 @@ class TrainConfig:
                 "train.eval_every, train.eval_examples and train.eval_samples must be >= 0"
             )
 
+    @property
+    def evaluation(self) -> dict[str, bool | int]:
+        """How the held-out set is decoded: `Sampler.evaluate`'s keyword arguments."""
+        return {
+            "dense": self.eval_dense,
+            "sampled": self.eval_sampled,
+            "samples": self.eval_samples,
+        }
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Config:

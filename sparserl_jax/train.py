@@ -368,11 +368,7 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
 
     def evaluate(step: int, key: str, when: str) -> dict[str, float]:
         with guard.abortable(f"{key}:{step}", f"the held-out evaluation {when} step {step}"):
-            how = {
-                "dense": tcfg.eval_dense,
-                "sampled": tcfg.eval_sampled,
-                "samples": tcfg.eval_samples,
-            }
+            how = tcfg.evaluation
             val = run.sampler.evaluate(held_out, held_prompts, run.tokenizer, run.reward_fn, **how)
         if key != "eval":
             record_evaluation(summary, val, step, when, log_fn)

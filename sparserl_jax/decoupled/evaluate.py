@@ -26,12 +26,7 @@ class Evaluator:
         self.examples = examples
         self.prompts = encode_prompts(self.examples, tokenizer, max_len=rcfg.max_prompt_len)
         self.tokenizer, self.reward_fn = tokenizer, reward_fn
-        tcfg = cfg.train  # decoded as `sparserl train` decodes its held-out set
-        self.how = {
-            "dense": tcfg.eval_dense,
-            "sampled": tcfg.eval_sampled,
-            "samples": tcfg.eval_samples,
-        }
+        self.how = cfg.train.evaluation  # decoded as `sparserl train` decodes its held-out set
         self.sampler = Sampler.create(
             learner.model(params),
             params,

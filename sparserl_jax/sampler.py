@@ -154,9 +154,6 @@ class Sampler:
     )
     # The sampled and greedy engines with the full cache (`train.eval_dense`), built on first use.
     dense_engines: tuple[RolloutEngine, RolloutEngine] | None = None
-    # A sampled engine's twin with another group size (`train.eval_samples`), by the engine
-    # and the size; built on first use.
-    regrouped: dict[tuple[int, int], RolloutEngine] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def create(
@@ -204,16 +201,6 @@ class Sampler:
             self.by_budget[budget] = _engines(self.model, rollout, self.mesh)
         self.engine, self.eval_engine = self.by_budget[budget]
         self.kv_budget = budget
-
-    def _group_of(self, engine: RolloutEngine, samples: int) -> RolloutEngine:
-        """`engine`, or its twin sampling `samples` completions per prompt."""
-        if samples == engine.config.n_samples:
-            return engine
-        key = (id(engine), samples)  # the engines it regroups are kept for the sampler's life
-        if key not in self.regrouped:
-            config = dataclasses.replace(engine.config, n_samples=samples)
-            self.regrouped[key] = RolloutEngine(self.model, config, mesh=self.mesh)
-        return self.regrouped[key]
 
     @property
     def version(self) -> int:
@@ -289,9 +276,8 @@ class Sampler:
             engines += [("val/dense_", self.dense_engines[0])]
             engines += [("val/dense_greedy_", self.dense_engines[1])]
         for prefix, engine in engines if sampled else engines[1::2]:
-            if engine.config.temperature > 0 and samples:
-                engine = self._group_of(engine, samples)
-            result = engine.generate(prompts, params=params, seeds=seeds)
+            n = samples if samples and engine.config.temperature > 0 else None  # greedy: 1
+            result = engine.generate(prompts, params=params, seeds=seeds, n_samples=n)
             group = len(result.prompt_ids) // len(prompts)
             texts = completion_texts(result, tokenizer)
             rewards = compute_rewards(reward_fn, examples, texts, group_size=group)

@@ -373,7 +373,8 @@ def test_eval_samples_samples_each_held_out_prompt_that_many_times(tmp_path, mon
 
     def spy(self, prompts, **kw):
         res = generate(self, prompts, **kw)
-        calls.append((self.config.temperature, self.config.n_samples, res.completion_ids))
+        size = kw.get("n_samples") or self.config.n_samples
+        calls.append((self.config.temperature, size, res.completion_ids))
         return res
 
     monkeypatch.setattr(RolloutEngine, "generate", spy)

@@ -62,7 +62,7 @@ from sparserl_jax.rollout.config import (
     RolloutResult,
     SlotState,
 )
-from sparserl_jax.rollout.host import check_prompts, so_far, take_record
+from sparserl_jax.rollout.host import check_prompts, request_table, so_far, take_record
 from sparserl_jax.rollout.sampling import request_keys, sample, step_keys
 from sparserl_jax.rollout.shards import (
     any_slot,
@@ -320,8 +320,10 @@ class RolloutEngine:
         stop: Callable[[], bool] | None = None,
         refresh: Callable[[], tuple[Any, int] | None] | None = None,
         recompute_cache: bool = False,
+        n_samples: int | None = None,
     ) -> RolloutResult:
-        """Sample `n_samples` completions of every prompt (see `RolloutResult` for the layout).
+        """Sample `n_samples` completions of every prompt (the config's unless given here; see
+        `RolloutResult` for the layout: a call's group size changes no compiled program).
 
         `params`: an `nnx` pure dict of the model state (e.g. the published bf16 weights);
         None uses the model's own. `seeds`: one per prompt (default: derived from config.seed).
@@ -339,18 +341,12 @@ class RolloutEngine:
                 "recompute_cache needs a dense cache: a compressed one cannot be rebuilt from "
                 "the sequence without replaying its evictions"
             )
-        check_prompts(prompts, seeds, cfg.max_prompt_len, self.model_cfg.vocab_size)
+        n = cfg.n_samples if n_samples is None else n_samples
+        check_prompts(prompts, seeds, cfg.max_prompt_len, self.model_cfg.vocab_size, n)
         params = self.default_params if params is None else params
         start = time.perf_counter()
-        n = cfg.n_samples
-        num_req = len(prompts) * n
-        # Per request: (seed, prompt index, sample index, seed is per-prompt); keys are derived
-        # from these inside prefill, so nothing here runs (or compiles) eagerly.
-        req_r4 = np.zeros((num_req, 4), np.int64)
-        req_r4[:, 0] = cfg.seed if seeds is None else np.repeat(np.asarray(seeds, np.int64), n)
-        req_r4[:, 1] = np.arange(num_req) // n
-        req_r4[:, 2] = np.arange(num_req) % n
-        req_r4[:, 3] = seeds is not None
+        req_r4 = request_table(len(prompts), n, cfg.seed, seeds)
+        num_req = len(req_r4)
         out_tok = np.zeros((num_req, cfg.max_new_tokens), np.int32)
         out_logp = np.zeros((num_req, cfg.max_new_tokens), np.float32)
         lens = np.zeros(num_req, np.int32)

@@ -19,14 +19,16 @@ import numpy as np
 from sparserl_jax.kvcache.paged import PoolExhaustedError
 from sparserl_jax.models.transformer import check_token_ids
 
-__all__ = ["admit", "check_prompts", "so_far", "take_record"]
+__all__ = ["admit", "check_prompts", "request_table", "so_far", "take_record"]
 
 
-def check_prompts(prompts, seeds, max_prompt_len: int, vocab_size: int) -> None:
+def check_prompts(prompts, seeds, max_prompt_len: int, vocab_size: int, n_samples: int) -> None:
     """One clear line for prompts the engine cannot take (empty, too long, out-of-vocabulary
-    ids) or seeds that do not match them."""
+    ids), seeds that do not match them, or no completion asked for per prompt."""
     if not prompts:
         raise ValueError("generate needs at least one prompt")
+    if not isinstance(n_samples, int) or n_samples < 1:
+        raise ValueError(f"n_samples must be an int >= 1, got {n_samples!r}")
     for i, p in enumerate(prompts):
         if not 1 <= len(p) <= max_prompt_len:
             raise ValueError(
@@ -37,6 +39,19 @@ def check_prompts(prompts, seeds, max_prompt_len: int, vocab_size: int) -> None:
         raise ValueError(f"got {len(seeds)} seeds for {len(prompts)} prompts (one each)")
     if seeds is not None and any(not 0 <= int(x) < 2**32 for x in seeds):
         raise ValueError(f"seeds must be in [0, 2**32), got {list(seeds)}")
+
+
+def request_table(num_prompts: int, n: int, seed: int, seeds) -> np.ndarray:
+    """Per request `i * n + j` (sample j of prompt i): (seed, prompt index, sample index, seed
+    is per-prompt), `[num_prompts * n, 4]`; keys are derived from these inside prefill, so
+    nothing here runs (or compiles) eagerly."""
+    num_req = num_prompts * n
+    req_r4 = np.zeros((num_req, 4), np.int64)
+    req_r4[:, 0] = seed if seeds is None else np.repeat(np.asarray(seeds, np.int64), n)
+    req_r4[:, 1] = np.arange(num_req) // n
+    req_r4[:, 2] = np.arange(num_req) % n
+    req_r4[:, 3] = seeds is not None
+    return req_r4
 
 
 def admit(slot_req, waiting, free_pages, pages_s, per_slot: int, pool_pages: int) -> np.ndarray:

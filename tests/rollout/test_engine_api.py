@@ -112,6 +112,25 @@ def test_prompt_errors(sampled):
         engine.generate([[1] * 7])
     with pytest.raises(ValueError, match="seeds"):
         engine.generate(PROMPTS, seeds=[1, 2])
+    with pytest.raises(ValueError, match="n_samples must be an int >= 1, got 0"):
+        engine.generate(PROMPTS, n_samples=0)
+
+
+def test_a_call_may_ask_another_group_size(sampled):
+    """`generate(n_samples=k)`: k completions per prompt instead of the config's 2, sample j
+    of a prompt drawn with the same key as in the config's group (so the same tokens), and no
+    new program compiled."""
+    engine, _ = sampled
+    seeds = [11, 22, 33, 44, 55]
+    group = engine.generate(PROMPTS, seeds=seeds)
+    compiled = (engine._prefill._cache_size(), engine._chunk._cache_size())
+    for k in (1, 3):
+        res = engine.generate(PROMPTS, seeds=seeds, n_samples=k)
+        assert res.completion_ids.shape == (len(PROMPTS) * k, MAX_NEW)
+        assert res.prompt_ids == [PROMPTS[r // k] for r in range(len(PROMPTS) * k)]
+        for j in range(min(k, 2)):
+            np.testing.assert_array_equal(res.completion_ids[j::k], group.completion_ids[j::2])
+    assert (engine._prefill._cache_size(), engine._chunk._cache_size()) == compiled
 
 
 def test_stop_hook_abandons_the_rollout_between_chunks(sampled):

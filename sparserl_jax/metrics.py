@@ -100,6 +100,21 @@ def truncate_metrics(run_dir: str | Path, step: int) -> list[dict]:
     return kept
 
 
+def evaluation_on_record(
+    kept: list[dict], step: int, row_missing: bool
+) -> tuple[int, dict[str, float]]:
+    """The held-out evaluation a run resumed at `step` takes as its "before" instead of decoding
+    the held-out set again, from its kept rows: `step`'s own or, when `step`'s row is written
+    (resumed between evaluations), the newest earlier one. Returns its step and `val/*` figures
+    (`step, {}`: none, or `step`'s row is missing and must be completed by an evaluation)."""
+    on_record = [r["step"] for r in kept if "val/greedy_reward_mean" in r]
+    if not on_record or (on_record[-1] != step and row_missing):
+        return step, {}
+    at = on_record[-1]
+    rows = [r for r in kept if r.get("step") == at]
+    return at, {k: v for r in rows for k, v in r.items() if k.startswith("val/")}
+
+
 def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:
     """verl-named learner metrics of one batch from its per-pass metrics (`Learner.train_on_batch`):
     means over the passes that ran; DGG's energy of the last pass, its largest z, and each

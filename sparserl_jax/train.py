@@ -50,6 +50,7 @@ from sparserl_jax.data import (
 from sparserl_jax.kvcache import BudgetController, BudgetState
 from sparserl_jax.metrics import (
     MetricsWriter,
+    evaluation_on_record,
     jsonable_row,
     plot_metrics,
     record_evaluation,
@@ -355,13 +356,12 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
     tcfg = run.cfg.train
     # Idempotent outputs: rows a killed run wrote after its last checkpoint are re-run, so they
     # are dropped; the "before" evaluation is written only if that step has no row yet.
-    write_before, recorded = True, {}  # this step's evaluation held by a row: not decoded again
+    write_before, recorded, before_at = True, {}, run.start_step
     if run.resumed:
         kept = truncate_metrics(run.cfg.run_dir, run.start_step)
-        at_start = [r for r in kept if r.get("step") == run.start_step]
-        write_before = not at_start
-        recorded = {k: v for r in at_start for k, v in r.items() if k.startswith("val/")}
-    evaluated = "val/greedy_reward_mean" in recorded
+        write_before = not any(r.get("step") == run.start_step for r in kept)
+        before_at, recorded = evaluation_on_record(kept, run.start_step, write_before)
+    evaluated = before_at == run.start_step and bool(recorded)  # this step's, on record
     writer = MetricsWriter(run.cfg.run_dir, tensorboard=tcfg.tensorboard)
     held_out = run.held_out
     held_prompts = encode_prompts(held_out, run.tokenizer, max_len=run.rollout.max_prompt_len)
@@ -378,9 +378,9 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
     rewards_seen: list[float] = []
     bar, done = None, False
     try:
-        val = before = recorded if evaluated else evaluate(step, "eval-before", "before")
-        if evaluated:
-            record_evaluation(summary, val, step, "before", log_fn)
+        val = before = recorded or evaluate(step, "eval-before", "before")
+        if recorded:
+            record_evaluation(summary, val, before_at, "before", log_fn)
         # A row whose evaluation a signal stopped is completed by this one (the same weights).
         if write_before and (val or run.pending_row):
             row = writer.write(step, {**(run.pending_row or {}), **val})
@@ -416,7 +416,7 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
                 saved = step
         if not guard.requested:
             run.ckpt.wait()
-            if step == run.start_step and before:  # no step ran: the same weights, same seeds
+            if step == before_at and before:  # no step ran: the same weights, same seeds
                 val = before
                 record_evaluation(summary, val, step, "after", log_fn)
             else:

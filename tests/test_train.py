@@ -418,3 +418,43 @@ def test_a_resumed_run_does_not_decode_an_evaluation_on_record(tmp_path, monkeyp
     assert summary["val_greedy_reward_before"] == at_2[0]["val/greedy_reward_mean"]
     assert summary["val_reward_before"] == at_2[0]["val/reward_mean"]
     assert [r["step"] for r in read_metrics(tmp_path) if "val/reward_mean" in r] == [0, 2, 3]
+
+
+def test_a_run_resumed_between_evaluations_takes_the_last_one_on_record(tmp_path, monkeypatch):
+    """Resumed at a step between evaluations (its training row written, as a run a signal
+    stopped after saving leaves it), the run does not decode the held-out set before its next
+    step: its "before" is the newest evaluation on record (logged with that step), and the
+    metrics hold the same evaluations as before. Resumed at the run's end with no evaluation at
+    that step, the "after" one is still decoded (other weights than the one on record)."""
+    import json
+
+    from sparserl_jax.sampler import Sampler
+
+    base = [f"run_dir={tmp_path}", "train.eval_examples=2", "data.batch_size=4"]
+    every = "train.eval_every=2"
+    train(load_config(TINY, [*base, "train.steps=3", every]), log_fn=lambda m: None)
+    rows = read_metrics(tmp_path)
+    at_2 = next(r for r in rows if r["step"] == 2 and "val/reward_mean" in r)
+
+    def drop_evaluation_at(step):  # as a run a signal stopped after checkpoint `step` leaves it
+        rows = read_metrics(tmp_path)
+        kept = [r for r in rows if not (r["step"] == step and "val/reward_mean" in r)]
+        assert len(kept) == len(rows) - 1 and any(r["step"] == step for r in kept)
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    drop_evaluation_at(3)
+    calls, logs = [], []
+    real = Sampler.evaluate
+    monkeypatch.setattr(Sampler, "evaluate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    summary = train(load_config(TINY, [*base, "train.steps=4", every]), log_fn=logs.append)
+    assert len(calls) == 1 and summary["end_step"] == 4  # the "after" one only
+    assert summary["val_greedy_reward_before"] == at_2["val/greedy_reward_mean"]
+    assert summary["val_reward_before"] == at_2["val/reward_mean"]
+    assert any(m.startswith("step 2: held-out reward") for m in logs), logs
+    assert [r["step"] for r in read_metrics(tmp_path) if "val/reward_mean" in r] == [0, 2, 4]
+    # Resumed at its end: the evaluation on record is step 2's, so step 4's is decoded again.
+    drop_evaluation_at(4)
+    calls[:] = []
+    summary = train(load_config(TINY, [*base, "train.steps=4", every]), log_fn=logs.append)
+    assert len(calls) == 1 and summary["val_greedy_reward_before"] == at_2["val/greedy_reward_mean"]
+    assert [r["step"] for r in read_metrics(tmp_path) if "val/reward_mean" in r] == [0, 2, 4]

@@ -84,6 +84,10 @@ ARMS: dict[str, tuple[str, ...]] = {
     # tokens where the sparse sampler went wrong, while the rest of a failed sequence keeps its
     # negative advantage, push the right steps down? (docs/reproductions.md, fourth regime)
     "no_token_reject": ("learner.correction.reject=false",),
+    # Corrected without its sequence veto (token rejection and reweighting kept): at L/4 in
+    # the tagged task every rejected sequence was vetoed (half the batch): is the veto what
+    # keeps corrected below dense? (docs/reproductions.md, tenth session)
+    "no_veto": ("learner.correction.veto=false",),
     "adaptive": ("rollout.kv.adaptive.enabled=true",),
     "replay": ("rollout.record_evictions=true", "learner.attention_mask=replay"),
 }

@@ -384,6 +384,34 @@ def test_a_finished_run_relaunched_with_more_steps_completes(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_relaunched_trainer_takes_the_evaluation_on_record(tmp_path, monkeypatch):
+    """A trainer relaunched at a step whose held-out evaluation is on record (a finished run
+    given more steps) does not decode the held-out set again for its "before"; relaunched at its
+    end with nothing to do, it decodes nothing and writes no second row for the same weights."""
+    from sparserl_jax.decoupled.evaluate import Evaluator
+
+    ctx = ts.Context()
+    common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=0", *FAST[1:]]
+    common.append("train.eval_examples=2")
+    short = load_config(TINY, [*common, "train.steps=2"])
+    summary, _ = _threads(short, short, ctx)
+    at_2 = next(r for r in read_metrics(tmp_path) if r["step"] == 2 and "val/reward_mean" in r)
+    calls, logs = [], []
+    real = Evaluator.__call__
+    monkeypatch.setattr(Evaluator, "__call__", lambda *a: calls.append(1) or real(*a))
+    longer = load_config(TINY, [*common, "train.steps=4"])
+    summary, got = _threads(longer, longer, ctx, sampler_first_s=3.0)
+    assert summary["start_step"] == 2 and summary["end_step"] == 4 and got["exit_code"] == 0
+    assert len(calls) == 1  # the "after" one only
+    assert summary["val_reward_before"] == at_2["val/reward_mean"]
+    calls[:] = []
+    summary = run_trainer(longer, exchange=Exchange("memory://", context=ctx), log_fn=logs.append)
+    assert summary["start_step"] == summary["end_step"] == 4 and calls == []
+    assert any(m.startswith("step 4: held-out reward") for m in logs), logs
+    assert [r["step"] for r in read_metrics(tmp_path) if "val/reward_mean" in r] == [0, 2, 4]
+
+
+@pytest.mark.slow
 def test_checkpoints_a_superseded_trainer_saved_are_moved_aside(tmp_path, monkeypatch):
     """Checkpoints of epoch 1 saved after epoch 2 resumed from step 2 (an old trainer past its
     fence check, woken late): one that lands while epoch 2 runs (step 4, before epoch 2 saves

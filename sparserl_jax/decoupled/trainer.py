@@ -56,6 +56,7 @@ from sparserl_jax.decoupled.queue import WorkQueue
 from sparserl_jax.decoupled.records import token_staleness
 from sparserl_jax.metrics import (
     MetricsWriter,
+    evaluation_on_record,
     record_evaluation,
     step_metrics,
     summarise_rewards,
@@ -238,11 +239,8 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
     reward_fn = make_reward_fn(cfg.data)
     writer = MetricsWriter(run_dir, tensorboard=tcfg.tensorboard)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step}
-    evaluator = None
-    if tcfg.eval_examples:
-        evaluator = Evaluator(
-            cfg, learner, model, state.params, mesh, tokenizer, reward_fn, held_out
-        )
+    how = (cfg, learner, model, state.params, mesh, tokenizer, reward_fn, held_out)
+    evaluator = Evaluator(*how) if tcfg.eval_examples else None
 
     def evaluate(step: int, when: str | None) -> dict[str, Any]:
         val = evaluator(publisher.transport) if evaluator is not None else {}
@@ -252,9 +250,14 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
 
     pulse.follow(epoch, start_step, publisher.version)
     log_fn(f"trainer: epoch {epoch}, step {start_step}, version {version}, exchange {ex.url}")
-    val = evaluate(start_step, "before")
-    if val and not any(r.get("step") == start_step for r in kept):
-        writer.write(start_step, val)
+    # Resumed where an evaluation is on record (`evaluation_on_record`): taken, not decoded.
+    row_missing = not any(r.get("step") == start_step for r in kept)
+    before_at, before = evaluation_on_record(kept, start_step, row_missing)
+    if on_record := bool(before):
+        record_evaluation(summary, before, before_at, "before", log_fn)
+    elif (before := evaluate(start_step, "before")) and row_missing:
+        writer.write(start_step, before)
+    written = bool(before) and before_at == start_step and (on_record or row_missing)
 
     def save(step: int) -> None:
         ex.check_fence()  # a superseded trainer writes no checkpoint
@@ -375,8 +378,11 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
     write_text(run_dir / "pending.json", json.dumps(queue.pending_batches()))
     done = not guard.requested
     if done:
-        val = evaluate(step, "after")
-        if val:
+        if step == before_at and before:  # no step ran: the same weights
+            record_evaluation(summary, val := before, step, "after", log_fn)
+        else:
+            val = evaluate(step, "after")
+        if val and (step > start_step or not written):  # not twice for the same weights
             writer.write(step, val)
     pulse.finish(done)
     writer.close()

@@ -239,8 +239,8 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
     reward_fn = make_reward_fn(cfg.data)
     writer = MetricsWriter(run_dir, tensorboard=tcfg.tensorboard)
     summary: dict[str, Any] = {"run_dir": str(run_dir), "start_step": start_step}
-    how = (cfg, learner, model, state.params, mesh, tokenizer, reward_fn, held_out)
-    evaluator = Evaluator(*how) if tcfg.eval_examples else None
+    args = (cfg, learner, model, state.params, mesh, tokenizer, reward_fn, held_out)
+    evaluator = Evaluator(*args) if tcfg.eval_examples else None
 
     def evaluate(step: int, when: str | None) -> dict[str, Any]:
         val = evaluator(publisher.transport) if evaluator is not None else {}

@@ -80,6 +80,14 @@ ARMS: dict[str, tuple[str, ...]] = {
     ),
     "corrected": (),
     "tis": ("learner.correction.veto=false", "learner.correction.reject=false"),
+    # TIS as the issue names it: the weights min(rho, 1.5) as they are, not divided by their
+    # batch mean ("tis" keeps the default batch normalisation, verl's
+    # `rollout_is_batch_normalize: true`).
+    "tis_raw": (
+        "learner.correction.veto=false",
+        "learner.correction.reject=false",
+        "learner.correction.batch_normalize=false",
+    ),
     # Corrected without its token rejection (veto and reweighting kept): does masking the
     # tokens where the sparse sampler went wrong, while the rest of a failed sequence keeps its
     # negative advantage, push the right steps down? (docs/reproductions.md, fourth regime)

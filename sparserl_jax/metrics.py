@@ -100,19 +100,19 @@ def truncate_metrics(run_dir: str | Path, step: int) -> list[dict]:
     return kept
 
 
-def evaluation_on_record(
-    kept: list[dict], step: int, row_missing: bool
-) -> tuple[int, dict[str, float]]:
+def evaluation_on_record(kept: list[dict], step: int) -> tuple[int, dict[str, float], bool]:
     """The held-out evaluation a run resumed at `step` takes as its "before" instead of decoding
     the held-out set again, from its kept rows: `step`'s own or, when `step`'s row is written
-    (resumed between evaluations), the newest earlier one. Returns its step and `val/*` figures
-    (`step, {}`: none, or `step`'s row is missing and must be completed by an evaluation)."""
+    (resumed between evaluations), the newest earlier one. Returns its step, its `val/*`
+    figures (`step, {}`: none, or `step`'s row is missing and must be completed by an
+    evaluation), and whether `step`'s row is written."""
+    written = any(r.get("step") == step for r in kept)
     on_record = [r["step"] for r in kept if "val/greedy_reward_mean" in r]
-    if not on_record or (on_record[-1] != step and row_missing):
-        return step, {}
+    if not on_record or (on_record[-1] != step and not written):
+        return step, {}, written
     at = on_record[-1]
     rows = [r for r in kept if r.get("step") == at]
-    return at, {k: v for r in rows for k, v in r.items() if k.startswith("val/")}
+    return at, {k: v for r in rows for k, v in r.items() if k.startswith("val/")}, written
 
 
 def learner_metrics(history: list[Mapping[str, Any]]) -> dict[str, float | int]:

@@ -359,8 +359,8 @@ def _loop(run: _Run, guard: PreemptionGuard, summary, log_fn, on_step) -> tuple[
     write_before, recorded, before_at = True, {}, run.start_step
     if run.resumed:
         kept = truncate_metrics(run.cfg.run_dir, run.start_step)
-        write_before = not any(r.get("step") == run.start_step for r in kept)
-        before_at, recorded = evaluation_on_record(kept, run.start_step, write_before)
+        before_at, recorded, row_written = evaluation_on_record(kept, run.start_step)
+        write_before = not row_written
     evaluated = before_at == run.start_step and bool(recorded)  # this step's, on record
     writer = MetricsWriter(run.cfg.run_dir, tensorboard=tcfg.tensorboard)
     held_out = run.held_out

@@ -391,8 +391,8 @@ def test_a_relaunched_trainer_takes_the_evaluation_on_record(tmp_path, monkeypat
     from sparserl_jax.decoupled.evaluate import Evaluator
 
     ctx = ts.Context()
-    common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=0", *FAST[1:]]
-    common.append("train.eval_examples=2")
+    common = [f"run_dir={tmp_path}", "data.batch_size=4", "async.max_staleness=0", *FAST]
+    common.append("train.eval_examples=2")  # after FAST's 0: the later one holds
     short = load_config(TINY, [*common, "train.steps=2"])
     summary, _ = _threads(short, short, ctx)
     at_2 = next(r for r in read_metrics(tmp_path) if r["step"] == 2 and "val/reward_mean" in r)

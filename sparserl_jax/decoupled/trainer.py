@@ -251,8 +251,8 @@ def _run(cfg: Config, ex: Exchange, epoch: int, pulse: Pulse, log_fn) -> dict:
     pulse.follow(epoch, start_step, publisher.version)
     log_fn(f"trainer: epoch {epoch}, step {start_step}, version {version}, exchange {ex.url}")
     # Resumed where an evaluation is on record (`evaluation_on_record`): taken, not decoded.
-    row_missing = not any(r.get("step") == start_step for r in kept)
-    before_at, before = evaluation_on_record(kept, start_step, row_missing)
+    before_at, before, row_written = evaluation_on_record(kept, start_step)
+    row_missing = not row_written
     if on_record := bool(before):
         record_evaluation(summary, before, before_at, "before", log_fn)
     elif (before := evaluate(start_step, "before")) and row_missing:

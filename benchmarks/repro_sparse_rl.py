@@ -546,18 +546,12 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                 rec = run_record(read_metrics(run_dir), cfg, prompt_tokens)
                 # `finished_only`: the run is in; a decode of it not finished is left out.
                 if study.heldout:
-                    try:
-                        at = budgets if b is None else (b,)
-                        rec |= _heldout(study, run_dir, cfg.train.steps, at, log)
-                    except NotFinished as e:
-                        log(f"  left out: {e}")
+                    at = budgets if b is None else (b,)
+                    rec |= _heldout(study, run_dir, cfg.train.steps, at, log)
                 if arm == "dense":
-                    try:
-                        rec["sparse_decoded"] = _decode_sparse(
-                            study, run_dir, cfg.train.steps, budgets, log
-                        )
-                    except NotFinished as e:
-                        log(f"  left out: {e}")
+                    rec["sparse_decoded"] = _decode_sparse(
+                        study, run_dir, cfg.train.steps, budgets, log
+                    )
                 runs.append({"arm": arm, "budget": b, "seed": seed, "name": name, **rec})
     return record | {"runs": runs, "wall_s": time.perf_counter() - t0}
 
@@ -636,12 +630,17 @@ def signature_failures(sig: dict[str, Any]) -> list[str]:
 def _decode_sparse(
     study: Study, dense_run: Path, step: int, budgets: Sequence[int], log
 ) -> dict[int, dict[str, float]]:
-    """The dense arm's final weights decoded (greedy, sampled) with each budget's sparse cache."""
+    """The dense arm's final weights decoded (greedy, sampled) with each budget's sparse cache
+    (`finished_only`: the budgets whose decode is finished)."""
     out = {}
     for b in budgets:
         run_dir = dense_run.parent / f"{dense_run.name}_decode_b{b}"
         cfg = study.cfg(f"run_dir={run_dir}", f"train.steps={step}", f"rollout.kv.budget={b}")
-        summary = study.run(cfg, dense_run, step, log)
+        try:
+            summary = study.run(cfg, dense_run, step, log)
+        except NotFinished as e:
+            log(f"  left out: {e}")
+            continue
         out[b] = {
             "greedy": summary["val_greedy_reward_before"],
             "sampled": summary["val_reward_before"],
@@ -657,8 +656,9 @@ def _heldout(
     a training group's decoding spread over 8x the prompts), decoded with the full cache
     (`heldout_dense_greedy`, `heldout_dense_sampled`, once, with the first budget) and with the
     config's sparse cache at each of `budgets` (`heldout_greedy_b<B>`, `heldout_sampled_b<B>`):
-    every arm decoded the same way, whatever cache it trained with."""
-    out: dict[str, float | int] = {"heldout_prompts": study.heldout}
+    every arm decoded the same way, whatever cache it trained with. `finished_only`: the
+    decodes that are finished (none: an empty dict)."""
+    out: dict[str, float | int] = {}
     for i, b in enumerate(budgets):
         cfg = study.cfg(
             f"run_dir={run.parent / f'{run.name}_heldout{study.heldout}_b{b}'}",
@@ -668,7 +668,12 @@ def _heldout(
             f"train.eval_dense={str(i == 0).lower()}",
             f"rollout.kv.budget={b}",
         )
-        study.run(cfg, run, step, log)
+        try:
+            study.run(cfg, run, step, log)
+        except NotFinished as e:
+            log(f"  left out: {e}")
+            continue
+        out["heldout_prompts"] = study.heldout
         row = read_metrics(cfg.run_dir)[0]
         out.setdefault("heldout_dense_greedy", row.get("val/dense_greedy_reward_mean"))
         out.setdefault("heldout_dense_sampled", row.get("val/dense_reward_mean"))

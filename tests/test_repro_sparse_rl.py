@@ -336,6 +336,48 @@ def test_finished_only_starts_nothing_and_deletes_nothing(tmp_path, monkeypatch)
     assert (out / "runs" / "dense_s0" / "metrics.jsonl").read_text() == "{}\n"
 
 
+def test_finished_only_keeps_the_decodes_that_are_finished(tmp_path, monkeypatch):
+    """A report over a budget added later (a fixed arm at the adaptive arm's mean) keeps what
+    each run has finished at the other budgets: a held-out or sparse decode not finished at one
+    budget leaves out that budget's figures only."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import repro_sparse_rl as study
+
+    monkeypatch.chdir(ROOT)
+    plan = study.Study(
+        config="configs/tiny.yaml", out_dir=str(tmp_path), heldout=16, finished_only=True
+    )
+    finished = {"dense_s0_heldout16_b8", "dense_s0_decode_b8"}
+
+    def run(cfg, src, step, log):
+        if Path(cfg.run_dir).name not in finished:
+            raise study.NotFinished(f"no finished run of this config in {cfg.run_dir}")
+        return {"val_greedy_reward_before": 0.5, "val_reward_before": 0.25}
+
+    rows = {
+        "val/dense_greedy_reward_mean": 0.9,
+        "val/dense_reward_mean": 0.8,
+        "val/greedy_reward_mean": 0.7,
+        "val/reward_mean": 0.6,
+    }
+    monkeypatch.setattr(study.Study, "run", lambda self, *a: run(*a))
+    monkeypatch.setattr(study, "read_metrics", lambda d: [rows])
+    left_out = []
+    dense = tmp_path / "runs" / "dense_s0"
+    assert study._heldout(plan, dense, 10, (8, 12), left_out.append) == {
+        "heldout_prompts": 16,
+        "heldout_dense_greedy": 0.9,
+        "heldout_dense_sampled": 0.8,
+        "heldout_greedy_b8": 0.7,
+        "heldout_sampled_b8": 0.6,
+    }
+    assert study._decode_sparse(plan, dense, 10, (8, 12), left_out.append) == {
+        8: {"greedy": 0.5, "sampled": 0.25}
+    }
+    assert study._heldout(plan, tmp_path / "runs" / "corrected_s0_b12", 10, (12,), print) == {}
+    assert len(left_out) == 2 and all("_b12" in m for m in left_out)
+
+
 def _record(arm, seed, *, sampled, greedy, budget=8, **extra):
     keys = ("train_reward_first3", "train_reward_last3", "greedy_final", "sampled_final")
     return {

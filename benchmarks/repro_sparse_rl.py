@@ -182,6 +182,11 @@ class Study:
     # Only report what is on disk: runs (and their held-out decodes) not finished are left out,
     # never started or resumed (a study run in pieces, read while some of it still runs).
     finished_only: bool = False
+    # Longer runs from shorter ones: each arm's run `<name>_t<steps>` continues the run `<name>`
+    # of `extend_from` steps (run first if not done) from its final checkpoint and metrics. The
+    # two configs differ only in `train.steps`, which no schedule reads, so the first
+    # `extend_from` steps are that run's, bit for bit (tests/test_repro_sparse_rl.py).
+    extend_from: int | None = None
 
     def __post_init__(self):
         unknown = [a for a in self.arms if a not in ARMS]
@@ -189,15 +194,22 @@ class Study:
             raise ValueError(f"arms {unknown} unknown; expected some of {tuple(ARMS)}")
         if not self.seeds:
             raise ValueError("seeds must not be empty")
+        if self.extend_from is not None and not 0 < self.extend_from < (self.steps or 0):
+            raise ValueError(
+                f"extend_from ({self.extend_from}) must lie in [1, steps) with steps given, "
+                f"got steps={self.steps}"
+            )
 
     def cfg(self, *overrides: str) -> Config:
         extra = () if self.steps is None else (f"train.steps={self.steps}",)
         return load_config(self.config, [*self.overrides, *extra, *_QUIET, *overrides])
 
-    def run(self, cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
+    def run(
+        self, cfg: Config, src_run: Path, step: int, log: Callable[[str], None], *, extend=False
+    ) -> dict:
         """`_run` under this study's `finished_only`: every run the study reads or trains goes
         through here, so none can start while only a report was asked for."""
-        return _run(cfg, src_run, step, log, finished_only=self.finished_only)
+        return _run(cfg, src_run, step, log, finished_only=self.finished_only, extend=extend)
 
     def resolved_budgets(self) -> tuple[int, ...]:
         if self.budgets:
@@ -206,11 +218,14 @@ class Study:
         return (length // 8, length // 4)
 
 
-def _copy_checkpoint(src_run: Path, step: int, dst_run: Path) -> None:
-    """`dst_run` holds checkpoint `step` of `src_run` and nothing else (a fresh directory)."""
+def _copy_checkpoint(src_run: Path, step: int, dst_run: Path, *, metrics: bool = False) -> None:
+    """`dst_run` holds checkpoint `step` of `src_run` and nothing else (a fresh directory);
+    `metrics`: and `src_run`'s metrics (a run extended from where `src_run` ended)."""
     if dst_run.exists():
         shutil.rmtree(dst_run)
     shutil.copytree(src_run / "checkpoints" / str(step), dst_run / "checkpoints" / str(step))
+    if metrics:  # after the checkpoint: until `train` writes config.json, a kill redoes both
+        shutil.copy2(src_run / "metrics.jsonl", dst_run / "metrics.jsonl")
 
 
 def _as_saved(cfg: Config) -> dict:
@@ -318,12 +333,19 @@ def _resumable(cfg: Config) -> int | None:
 
 
 def _run(
-    cfg: Config, src_run: Path, step: int, log: Callable[[str], None], *, finished_only=False
+    cfg: Config,
+    src_run: Path,
+    step: int,
+    log: Callable[[str], None],
+    *,
+    finished_only=False,
+    extend=False,
 ) -> dict:
     """`train(cfg)` from checkpoint `step` of `src_run`; returns its summary. A run done before
     with this very config is kept (`_done`); one cut off (killed, or the study stopped) resumes
     from its newest checkpoint (`train` does, from `run_dir`) instead of starting over.
-    `finished_only`: raise `NotFinished` instead of training."""
+    `finished_only`: raise `NotFinished` instead of training. `extend`: the run continues
+    `src_run` (which ended at `step`): it starts with its metrics as well."""
     name = Path(cfg.run_dir).name
     summary = _done(cfg)
     if summary is not None:
@@ -336,7 +358,7 @@ def _run(
         if summary is not None:
             log(f"  [{name}] done by another process: kept")
             return summary
-        return _start_or_resume(cfg, src_run, step, log)
+        return _start_or_resume(cfg, src_run, step, log, extend=extend)
 
 
 @contextlib.contextmanager
@@ -357,7 +379,9 @@ def run_lock(run_dir: Path, log: Callable[[str], None]):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _start_or_resume(cfg: Config, src_run: Path, step: int, log: Callable[[str], None]) -> dict:
+def _start_or_resume(
+    cfg: Config, src_run: Path, step: int, log: Callable[[str], None], *, extend: bool
+) -> dict:
     name = Path(cfg.run_dir).name
     resume_at = _resumable(cfg)
     if resume_at is None:
@@ -367,7 +391,7 @@ def _start_or_resume(cfg: Config, src_run: Path, step: int, log: Callable[[str],
                 "(a run restored from a study archive keeps no checkpoints): rerun that run "
                 "to decode it"
             )
-        _copy_checkpoint(src_run, step, Path(cfg.run_dir))
+        _copy_checkpoint(src_run, step, Path(cfg.run_dir), metrics=extend)
     else:
         log(f"  [{name}] cut off before: resumes from its checkpoint {resume_at}")
     return _train(cfg, log)
@@ -536,10 +560,18 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                 ]
                 if b is not None:
                     overrides.append(f"rollout.kv.budget={b}")
+                src, at = sft_dir, 0
+                if study.extend_from:
+                    base = study.cfg(*overrides, f"train.steps={study.extend_from}")
+                    name = f"{name}_t{study.steps}"
+                    run_dir = run_dir.with_name(name)
+                    overrides.append(f"run_dir={run_dir}")
                 cfg = study.cfg(*overrides)
                 log(f"run {name} ({time.perf_counter() - t0:.0f}s into the study)")
                 try:
-                    study.run(cfg, sft_dir, 0, log)
+                    if study.extend_from:
+                        src, at = _extension_start(study, base, sft_dir, name, log)
+                    study.run(cfg, src, at, log, extend=at > 0)
                 except NotFinished as e:
                     log(f"  left out: {e}")
                     continue
@@ -554,6 +586,20 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                     )
                 runs.append({"arm": arm, "budget": b, "seed": seed, "name": name, **rec})
     return record | {"runs": runs, "wall_s": time.perf_counter() - t0}
+
+
+def _extension_start(
+    study: Study, base: Config, sft_dir: Path, name: str, log: Callable[[str], None]
+) -> tuple[Path, int]:
+    """Where run `name`, the extension of `base`, starts: `base`'s final checkpoint (`base` run
+    first if not done), or the SFT start when `base` was restored from an archive without it
+    (the same run then, from step 0)."""
+    study.run(base, sft_dir, 0, log)
+    steps = base.train.steps
+    if (Path(base.run_dir) / "checkpoints" / str(steps)).is_dir():
+        return Path(base.run_dir), steps
+    log(f"  [{name}] {Path(base.run_dir).name} keeps no checkpoint {steps}: starts from step 0")
+    return sft_dir, 0
 
 
 def _signature(

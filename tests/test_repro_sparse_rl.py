@@ -275,6 +275,67 @@ def test_a_run_cut_off_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert _numbers(read_metrics(cfg.run_dir)) == whole
 
 
+def test_a_longer_run_extends_the_shorter_one_bit_for_bit(tmp_path, monkeypatch):
+    """`extend_from`: the 4-step run `<name>_t4` continues the 2-step `<name>` (run first) from
+    its checkpoint 2 and metrics, and ends as a 4-step run from step 0 does; killed before it
+    trained, it starts over from the copy; a 2-step run kept without its checkpoint (restored
+    from an archive) gives a run from step 0, the same again."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks import repro_sparse_rl as study
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(study, "_signature", lambda *a, **k: {})
+    overrides = (
+        "sft.steps=2",
+        "data.batch_size=4",
+        "train.eval_examples=4",
+        "train.eval_every=2",
+        "train.save_every=1",
+    )
+
+    def plan(out, **kw):
+        return study.Study(
+            config="configs/tiny.yaml",
+            out_dir=str(tmp_path / out),
+            arms=("corrected",),
+            budgets=(8,),
+            seeds=(0,),
+            overrides=overrides,
+            check_signature=False,
+            **kw,
+        )
+
+    def by_step(run):  # a run's final evaluation is a row of its own; mid-run, in its step's
+        rows = {}
+        for r in _numbers(read_metrics(run)):
+            rows.setdefault(r["step"], {}).update(r)
+        return rows
+
+    logs = []
+    whole = study.run_study(plan("whole", steps=4), log=logs.append)["runs"][0]
+    longer = study.run_study(plan("ext", steps=4, extend_from=2), log=logs.append)["runs"][0]
+    runs = tmp_path / "ext" / "runs"
+    assert longer["name"] == "corrected_s0_b8_t4" and (runs / "corrected_s0_b8").is_dir()
+    assert any("[corrected_s0_b8_t4] resumed from" in m and "at step 2" in m for m in logs)
+    reference = by_step(tmp_path / "whole" / "runs" / "corrected_s0_b8")
+    assert by_step(runs / "corrected_s0_b8_t4") == reference
+    assert longer["train_reward"] == whole["train_reward"] and len(whole["train_reward"]) == 4
+    # Killed after the copy, before `train` wrote its config: the copy is made again.
+    ext = runs / "corrected_s0_b8_t4"
+    shutil.rmtree(ext)
+    study._copy_checkpoint(runs / "corrected_s0_b8", 2, ext, metrics=True)
+    study.run_study(plan("ext", steps=4, extend_from=2), log=logs.append)
+    assert by_step(ext) == reference
+    # The 2-step run restored from an archive keeps no checkpoints: from step 0.
+    shutil.rmtree(ext)
+    shutil.rmtree(runs / "corrected_s0_b8" / "checkpoints")
+    study.run_study(plan("ext", steps=4, extend_from=2), log=logs.append)
+    assert any("keeps no checkpoint 2: starts from step 0" in m for m in logs)
+    assert by_step(ext) == reference
+    with pytest.raises(ValueError, match="extend_from"):
+        plan("bad", steps=2, extend_from=2)
+
+
 def test_an_sft_start_cut_off_resumes_and_one_of_other_settings_starts_over(tmp_path, monkeypatch):
     """A study cut off during its SFT keeps the warm start's progress for the same command to
     resume (it used to delete it and start over: 640 of 800 steps lost); one of other SFT

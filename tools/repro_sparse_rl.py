@@ -27,6 +27,10 @@ per finished run, then one JSON line: the signature, a cell per (arm, budget) wi
 seeds, and the issue's targets at budgets <= L/4. `--set KEY=VALUE` (repeatable) overrides any
 config key in every run. Logic: benchmarks/repro_sparse_rl.py.
 
+`--steps 200 --extend-from 100` makes 200-step runs from the 100-step ones: each arm's
+`<name>_t200` continues `<name>` from its checkpoint 100 and metrics (`<name>` run first if not
+done): the same runs as from step 0, at half the cost.
+
 `--archive DIR` keeps the study's durable part where `runs/` is not (a new machine has none):
 the SFT start with its step-0 checkpoint and every finished run's metrics, no other checkpoint
 (benchmarks/study_archive.py). It fills --out from DIR first, and DIR from --out at the end:
@@ -93,6 +97,14 @@ def main(argv: list[str] | None = None) -> dict:
         help="report what is on disk: leave out runs and decodes not finished (never start or "
         "resume one), e.g. while other pieces of the study still run",
     )
+    p.add_argument(
+        "--extend-from",
+        type=int,
+        default=None,
+        metavar="N",
+        help="longer runs from the finished N-step ones: each arm's run <name>_t<steps> "
+        "continues <name> (N steps; run first if not done) from its final checkpoint",
+    )
     p.add_argument("--quick", action="store_true", help="tiny config, 2 steps, 3 arms, 1 budget")
     p.add_argument(
         "--signature-only",
@@ -125,6 +137,8 @@ def main(argv: list[str] | None = None) -> dict:
     import jax
 
     jax.config.update("jax_compilation_cache_dir", os.path.abspath(cache))
+    if args.extend_from is not None and not 0 < args.extend_from < (args.steps or 0):
+        p.error(f"--extend-from {args.extend_from} needs --steps greater than it")
     if args.quick:
         study = Study(
             config=args.config or "configs/tiny.yaml",
@@ -137,6 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
             check_signature=False,
             heldout=args.heldout,
             finished_only=args.finished_only,
+            extend_from=args.extend_from,
         )
     else:
         study = Study(
@@ -150,6 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
             check_signature=not args.no_signature_check,
             heldout=args.heldout,
             finished_only=args.finished_only,
+            extend_from=args.extend_from,
         )
     try:
         raw = run_study(study, log=log)

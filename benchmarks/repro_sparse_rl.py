@@ -569,7 +569,7 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                 cfg = study.cfg(*overrides)
                 log(f"run {name} ({time.perf_counter() - t0:.0f}s into the study)")
                 try:
-                    if study.extend_from:
+                    if study.extend_from and _done(cfg) is None:
                         src, at = _extension_start(study, base, sft_dir, name, log)
                     study.run(cfg, src, at, log, extend=at > 0)
                 except NotFinished as e:

@@ -332,6 +332,10 @@ def test_a_longer_run_extends_the_shorter_one_bit_for_bit(tmp_path, monkeypatch)
     study.run_study(plan("ext", steps=4, extend_from=2), log=logs.append)
     assert any("keeps no checkpoint 2: starts from step 0" in m for m in logs)
     assert by_step(ext) == reference
+    logs.clear()  # done: kept, whatever its 2-step run keeps
+    study.run_study(plan("ext", steps=4, extend_from=2), log=logs.append)
+    assert "[corrected_s0_b8_t4] done before: kept" in "\n".join(logs)
+    assert not any("keeps no checkpoint" in m for m in logs)
     with pytest.raises(ValueError, match="extend_from"):
         plan("bad", steps=2, extend_from=2)
 

@@ -275,6 +275,7 @@ def test_a_run_cut_off_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     assert _numbers(read_metrics(cfg.run_dir)) == whole
 
 
+@pytest.mark.slow
 def test_a_longer_run_extends_the_shorter_one_bit_for_bit(tmp_path, monkeypatch):
     """`extend_from`: the 4-step run `<name>_t4` continues the 2-step `<name>` (run first) from
     its checkpoint 2 and metrics, and ends as a 4-step run from step 0 does; killed before it

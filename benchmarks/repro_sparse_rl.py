@@ -935,8 +935,10 @@ def plot_study(raw: dict[str, Any], path: str | Path) -> Path:
 
     budgets = raw["budgets"]
     fig, axes = plt.subplots(1, len(budgets), figsize=(5 * len(budgets), 3.5), squeeze=False)
+    arms = list(dict.fromkeys(r["arm"] for r in raw["runs"]))
+    colour = {arm: f"C{i % 10}" for i, arm in enumerate(arms)}  # an arm's in every panel
     for ax, b in zip(axes[0], budgets, strict=True):
-        for arm in dict.fromkeys(r["arm"] for r in raw["runs"]):
+        for arm in arms:
             group = [r for r in raw["runs"] if r["arm"] == arm and r["budget"] in (b, None)]
             if not group:
                 continue
@@ -945,8 +947,8 @@ def plot_study(raw: dict[str, Any], path: str | Path) -> Path:
                 continue
             curves = np.array([r["train_reward"][:n] for r in group])
             x = np.arange(1, n + 1)
-            (line,) = ax.plot(x, curves.mean(0), label=arm, linewidth=1.2)
-            ax.fill_between(x, curves.min(0), curves.max(0), color=line.get_color(), alpha=0.2)
+            ax.plot(x, curves.mean(0), label=arm, linewidth=1.2, color=colour[arm])
+            ax.fill_between(x, curves.min(0), curves.max(0), color=colour[arm], alpha=0.2)
         ax.set_title(f"KV budget {b} of {raw['rollout_length']} tokens")
         ax.set_xlabel("RL step")
         ax.set_ylabel("training reward (sampled)")

@@ -952,7 +952,8 @@ def plot_study(raw: dict[str, Any], path: str | Path) -> Path:
         ax.set_title(f"KV budget {b} of {raw['rollout_length']} tokens")
         ax.set_xlabel("RL step")
         ax.set_ylabel("training reward (sampled)")
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

@@ -560,7 +560,7 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                 ]
                 if b is not None:
                     overrides.append(f"rollout.kv.budget={b}")
-                src, at = sft_dir, 0
+                src, src_step = sft_dir, 0
                 if study.extend_from:
                     base = study.cfg(*overrides, f"train.steps={study.extend_from}")
                     name = f"{name}_t{study.steps}"
@@ -570,8 +570,8 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                 log(f"run {name} ({time.perf_counter() - t0:.0f}s into the study)")
                 try:
                     if study.extend_from and _done(cfg) is None:
-                        src, at = _extension_start(study, base, sft_dir, name, log)
-                    study.run(cfg, src, at, log, extend=at > 0)
+                        src, src_step = _extension_start(study, base, sft_dir, name, log)
+                    study.run(cfg, src, src_step, log, extend=src_step > 0)
                 except NotFinished as e:
                     log(f"  left out: {e}")
                     continue

@@ -97,6 +97,10 @@ ARMS: dict[str, tuple[str, ...]] = {
     # keeps corrected below dense? (docs/reproductions.md, tenth session)
     "no_veto": ("learner.correction.veto=false",),
     "adaptive": ("rollout.kv.adaptive.enabled=true",),
+    # The adaptive budget that also raises after a step rejecting > 20% of its sequences: at
+    # L/4 in the tagged task the p5-only controller held 128 tokens with half of each batch
+    # vetoed (docs/adaptive_kv.md, "The rejection limit").
+    "adaptive_rej": ("rollout.kv.adaptive.enabled=true", "rollout.kv.adaptive.max_rejected=0.2"),
     "replay": ("rollout.record_evictions=true", "learner.attention_mask=replay"),
 }
 # A run collapsed (`collapse`) when, at the end, its held-out reward decoded with the full cache

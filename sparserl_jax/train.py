@@ -202,7 +202,8 @@ class _Run:
         if self.sampler.kv_budget is not None:
             row["rollout/kv_budget"] = self.sampler.kv_budget  # the budget this rollout used
         if self.budget is not None:
-            self.budget_state = self.budget.update(self.budget_state, row["correction/rho_p5"])
+            p5, rejected = row["correction/rho_p5"], row["correction/rejected_seq_fraction"]
+            self.budget_state = self.budget.update(self.budget_state, p5, rejected)
             self.sampler.set_kv_budget(self.budget_state.budget)
         return row
 

@@ -10,6 +10,11 @@ rather than its mean: a run stays stable while the 5th percentile `p5` stays at 
       p5_s > target + margin for `patience` steps -> B_{s+1} = the next rung down
       otherwise                                  -> B_{s+1} = B_s
 
+With `max_rejected` set, a step whose correction rejected more than that fraction of its
+sequences (veto, sequence-level rejection, or every token masked) also counts as below target:
+p5 is a token percentile, and a rung can hold it in the band while the veto drops half of each
+batch (the L/4 study in docs/reproductions.md: p5 0.88 at 128 tokens, 48% of sequences vetoed).
+
 Raising is immediate and lowering waits, because a tail collapse costs more than a few steps of
 extra memory; the band `[target, target + margin]` keeps the budget from oscillating between
 two rungs. A non-finite `p5` counts as below target. The budget moves only between steps: a
@@ -103,12 +108,16 @@ class BudgetController:
         patience: int,
         backoff: int = 2,
         max_patience: int = 32,
+        max_rejected: float | None = None,
     ) -> None:
         ladder = tuple(int(b) for b in ladder)
         if not ladder or list(ladder) != sorted(set(ladder)):
             raise ValueError(f"the budget ladder must be ascending and distinct, got {ladder}")
+        if max_rejected is not None and not 0 <= max_rejected < 1:
+            raise ValueError(f"max_rejected must be in [0, 1), got {max_rejected}")
         self.ladder, self.target, self.margin, self.patience = ladder, target, margin, patience
         self.backoff, self.max_patience = backoff, max(max_patience, patience)
+        self.max_rejected = max_rejected
 
     @classmethod
     def from_config(cls, kv: CompressionConfig, *, page_size: int, max_len: int):
@@ -122,6 +131,7 @@ class BudgetController:
             patience=ad.patience,
             backoff=ad.backoff,
             max_patience=ad.max_patience,
+            max_rejected=ad.max_rejected,
         )
 
     def init(self, budget: int) -> BudgetState:
@@ -129,11 +139,13 @@ class BudgetController:
         at_or_above = [b for b in self.ladder if b >= budget]
         return BudgetState(budget=at_or_above[0] if at_or_above else self.ladder[-1])
 
-    def update(self, state: BudgetState, rho_p5: float) -> BudgetState:
-        """The budget after a step whose correction measured `rho_p5`."""
+    def update(self, state: BudgetState, rho_p5: float, rejected: float = 0.0) -> BudgetState:
+        """The budget after a step whose correction measured `rho_p5` and rejected the fraction
+        `rejected` of its sequences (read only when `max_rejected` is set)."""
         i = self._index(state.budget)
         wait, trial = state.wait or self.patience, state.trial
-        if not (math.isfinite(rho_p5) and rho_p5 >= self.target):
+        too_many = self.max_rejected is not None and not rejected <= self.max_rejected  # NaN too
+        if too_many or not (math.isfinite(rho_p5) and rho_p5 >= self.target):
             if trial:  # the probe of this rung failed: wait longer before the next one
                 wait = min(wait * self.backoff, self.max_patience)
             return self._state(self.ladder[min(i + 1, len(self.ladder) - 1)], 0, wait, 0)

@@ -47,6 +47,8 @@ class AdaptiveBudgetConfig:
       backoff: a lowering whose rung falls below `target` within `patience` steps multiplies the
         wait before the next lowering by this (1: never; `kvcache.adaptive`'s docstring).
       max_patience: the longest wait, in steps above the band, that the backoff reaches.
+      max_rejected: also raise B after a step whose correction rejected more than this fraction
+        of its sequences (`correction/rejected_seq_fraction`); None: p5 alone (Sparrow's law).
     """
 
     enabled: bool = False
@@ -58,6 +60,7 @@ class AdaptiveBudgetConfig:
     levels: int = 6
     backoff: int = 2
     max_patience: int = 32
+    max_rejected: float | None = None
 
     def __post_init__(self):
         if not 0 < self.target <= 1:
@@ -77,6 +80,8 @@ class AdaptiveBudgetConfig:
                 f"adaptive.max_patience ({self.max_patience}) must be >= adaptive.patience "
                 f"({self.patience})"
             )
+        if self.max_rejected is not None and not 0 <= self.max_rejected < 1:
+            raise ValueError(f"adaptive.max_rejected must be in [0, 1), got {self.max_rejected}")
         lo, hi = self.min_budget, self.max_budget
         if lo is not None and hi is not None and not lo < hi:
             raise ValueError(f"adaptive needs min_budget < max_budget, got [{lo}, {hi}]")

@@ -21,7 +21,7 @@ from sparserl_jax.testing import tiny_model
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 
 
-def controller(patience=2, backoff=2, max_patience=32):
+def controller(patience=2, backoff=2, max_patience=32, max_rejected=None):
     return BudgetController(
         (16, 32, 48, 64),
         target=0.86,
@@ -29,6 +29,7 @@ def controller(patience=2, backoff=2, max_patience=32):
         patience=patience,
         backoff=backoff,
         max_patience=max_patience,
+        max_rejected=max_rejected,
     )
 
 
@@ -83,6 +84,42 @@ def test_a_passed_probe_resets_the_wait():
     assert c.update(BudgetState(32, 1), 0.5) == BudgetState(48, 0)
     # A failure during the trial backs off, and a rung that fails at once is probed rarely.
     assert c.update(BudgetState(32, 0, wait=8, trial=1), 0.5) == BudgetState(48, 0, wait=16)
+
+
+def test_a_step_that_rejects_too_many_sequences_raises_the_budget():
+    c = controller(max_rejected=0.2)
+    # p5 above the band or in it, but a quarter or half of the batch rejected: up at once.
+    assert c.update(BudgetState(32, 0), 0.95, rejected=0.5) == BudgetState(48, 0)
+    assert c.update(BudgetState(32, 1), 0.88, rejected=0.25) == BudgetState(48, 0)
+    # At or under the limit p5 decides, as without it.
+    assert c.update(BudgetState(48, 0), 0.95, rejected=0.2) == BudgetState(48, 1)
+    assert c.update(BudgetState(48, 1), 0.95, rejected=0.0) == BudgetState(32, 0, trial=2)
+    # A probe that rejects too many has failed: back up, and wait longer before the next.
+    assert c.update(BudgetState(32, 0, trial=2), 0.95, rejected=0.5) == BudgetState(48, 0, wait=4)
+    # A non-finite fraction (no sequence in the batch) is read as too many.
+    assert c.update(BudgetState(32, 0), 0.95, rejected=float("nan")) == BudgetState(48, 0)
+    # Without the limit (the default: Sparrow's law) the fraction is not read.
+    assert controller().update(BudgetState(32, 0), 0.95, rejected=1.0) == BudgetState(32, 1)
+    with pytest.raises(ValueError, match=r"max_rejected must be in \[0, 1\), got 1"):
+        controller(max_rejected=1)
+
+
+def test_the_rejection_limit_keeps_the_budget_off_a_rung_where_half_the_batch_is_vetoed():
+    # The L/4 study's adaptive arm (docs/reproductions.md): at its low rung p5 sat in the band
+    # (0.88: hold) while 48% of sequences were vetoed; the rung above had p5 0.975, 1% vetoed.
+    seen = {32: (0.88, 0.48), 48: (0.975, 0.01)}
+
+    def walk(c, steps=60):
+        state, budgets = BudgetState(32), []
+        for _ in range(steps):
+            budgets.append(state.budget)
+            state = c.update(state, *seen[state.budget])
+        return budgets
+
+    assert walk(controller()) == [32] * 60  # p5 alone never leaves the rung
+    budgets = walk(controller(max_rejected=0.2, max_patience=16))
+    # Probes of 32 after waits of 2, 4, 8, 16, 16 steps at 48: 6 of 60 steps at the low rung.
+    assert [i for i, b in enumerate(budgets) if b == 32] == [0, 3, 8, 17, 34, 51]
 
 
 def test_hysteresis_band_holds_and_resets_streak():
@@ -165,6 +202,7 @@ def test_config_section_and_validation():
         (["rollout.kv.adaptive.levels=1"], "levels must be >= 2"),
         (["rollout.kv.adaptive.backoff=0"], r"backoff must be >= 1 \(1: no backoff\)"),
         (["rollout.kv.adaptive.max_patience=1"], r"max_patience \(1\) must be >= .*patience"),
+        (["rollout.kv.adaptive.max_rejected=1.0"], r"max_rejected must be in \[0, 1\)"),
         (["rollout.kv.adaptive.min_budget=16"], r"must lie in .*\[16, the rollout length\]"),
         (["rollout.kv.adaptive.min_budget=4"], r"min_budget \(4\) must exceed window"),
         (["rollout.kv.adaptive.max_budget=10"], r"\[12, 10\]"),

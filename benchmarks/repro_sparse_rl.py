@@ -99,8 +99,13 @@ ARMS: dict[str, tuple[str, ...]] = {
     "adaptive": ("rollout.kv.adaptive.enabled=true",),
     # The adaptive budget that also raises after a step rejecting > 20% of its sequences: at
     # L/4 in the tagged task the p5-only controller held 128 tokens with half of each batch
-    # vetoed (docs/adaptive_kv.md, "The rejection limit").
-    "adaptive_rej": ("rollout.kv.adaptive.enabled=true", "rollout.kv.adaptive.max_rejected=0.2"),
+    # vetoed (docs/adaptive_kv.md, "The rejection limit"). 12 levels put rungs 48 tokens apart
+    # (64, 80, 128, 176, 224, ... at budget 128, L = 512), so it can hold the fixed arm's 176.
+    "adaptive_rej": (
+        "rollout.kv.adaptive.enabled=true",
+        "rollout.kv.adaptive.max_rejected=0.2",
+        "rollout.kv.adaptive.levels=12",
+    ),
     "replay": ("rollout.record_evictions=true", "learner.attention_mask=replay"),
 }
 # A run collapsed (`collapse`) when, at the end, its held-out reward decoded with the full cache

@@ -45,6 +45,7 @@ from sparserl_jax.build import build_model, build_tokenizer
 from sparserl_jax.checkpoint import CheckpointManager
 from sparserl_jax.config import Config, ConfigError, from_dict, load_config, to_dict
 from sparserl_jax.data import PromptLimit, encode_prompts, eval_examples
+from sparserl_jax.kvcache import AdaptiveBudgetConfig
 from sparserl_jax.metrics import read_metrics
 from sparserl_jax.rl import Learner
 
@@ -480,9 +481,36 @@ def run_record(rows: list[dict], cfg: Config, prompt_tokens: float) -> dict[str,
         "mismatch_kl": mean("correction/mismatch_kl"),
         "rho_p5": mean("correction/rho_p5"),
         "kv_budget_mean": mean("rollout/kv_budget"),
+        "rungs": rungs(steps),
     }
     nonfinite = any(r.get("actor/nonfinite_skips", 0) for r in steps)
     return record | collapse(record, nonfinite=nonfinite)
+
+
+def rungs(steps: list[dict]) -> dict[str, dict[str, float]]:
+    """A run's steps grouped by the KV budget each rollout used (`rollout/kv_budget`; one group
+    at a fixed budget, none for dense): per budget, the steps spent there and the means of what
+    the correction saw and the training reward. The adaptive controller's view: which budgets
+    it held, and what they cost (docs/reproductions.md, thirteenth session)."""
+    target = AdaptiveBudgetConfig().target
+    by_budget: dict[int, list[dict]] = {}
+    for r in steps:
+        if "rollout/kv_budget" in r:
+            by_budget.setdefault(int(r["rollout/kv_budget"]), []).append(r)
+    out = {}
+    for b, rs in sorted(by_budget.items()):
+        p5 = [r["correction/rho_p5"] for r in rs]
+        out[str(b)] = {
+            "steps": len(rs),
+            "rejected_seq_fraction": float(
+                np.mean([r["correction/rejected_seq_fraction"] for r in rs])
+            ),
+            "rho_p5": float(np.mean(p5)),
+            f"steps_rho_p5_under_{target}": sum(not v >= target for v in p5),
+            "mismatch_kl": float(np.mean([r["correction/mismatch_kl"] for r in rs])),
+            "train_reward": float(np.mean([r["critic/score/mean"] for r in rs])),
+        }
+    return out
 
 
 def collapse(rec: dict[str, Any], *, nonfinite: bool = False) -> dict[str, Any]:
@@ -841,6 +869,7 @@ def summarise(raw: dict[str, Any]) -> dict[str, Any]:
                 decoded = [r.get("sparse_decoded", {}).get(b, {}) for r in group]
                 cell["greedy_final"] = _stat([d.get("greedy") for d in decoded])
                 cell["sampled_final"] = _stat([d.get("sampled") for d in decoded])
+            cell["rungs"] = {str(r["seed"]): r["rungs"] for r in group if r.get("rungs")}
             for key in ("collapsed", "collapse_dense", "collapse_train", "greedy_fell"):
                 cell[key] = sum(bool(r.get(key)) for r in group)  # runs, of the seeds
             if any("heldout_dense_greedy" in r for r in group):  # `Study.heldout`

@@ -579,6 +579,40 @@ def test_summary_pairs_arms_with_dense_by_seed():
     assert gap["diff"] == pytest.approx(-(0.76 + 0.57 + 0.665) / 3 + 0.4) and gap["hi"] < 0
 
 
+def test_rungs_split_a_run_by_the_budget_each_step_used():
+    from benchmarks.repro_sparse_rl import rungs
+
+    def step(budget, rejected, p5, reward):
+        return {
+            "rollout/kv_budget": budget,
+            "correction/rejected_seq_fraction": rejected,
+            "correction/rho_p5": p5,
+            "correction/mismatch_kl": 1 - p5,
+            "critic/score/mean": reward,
+        }
+
+    steps = [step(128, 0.5, 0.88, 0.25), step(224, 0.0, 0.97, 0.75), step(128, 0.3, 0.84, 0.5)]
+    assert rungs(steps) == {
+        "128": {
+            "steps": 2,
+            "rejected_seq_fraction": pytest.approx(0.4),
+            "rho_p5": pytest.approx(0.86),
+            "steps_rho_p5_under_0.86": 1,
+            "mismatch_kl": pytest.approx(0.14),
+            "train_reward": pytest.approx(0.375),
+        },
+        "224": {
+            "steps": 1,
+            "rejected_seq_fraction": 0.0,
+            "rho_p5": pytest.approx(0.97),
+            "steps_rho_p5_under_0.86": 0,
+            "mismatch_kl": pytest.approx(0.03),
+            "train_reward": 0.75,
+        },
+    }
+    assert rungs([{"critic/score/mean": 1.0}]) == {}  # a dense run has no budget
+
+
 def test_token_mismatch_kinds_of_a_tagged_completion():
     from token_mismatch import kinds, token_texts
 

@@ -192,6 +192,12 @@ def test_config_section_and_validation():
     assert cfg.rollout.kv.adaptive.target == 0.86
     assert cfg.rollout.kv_ladder == (6, 8, 12, 16, 20, 24)  # down to half the start
     assert load_config(TINY).rollout.kv.adaptive.enabled is False  # off by default
+    assert cfg.rollout.kv.adaptive.max_rejected is None  # p5 alone by default
+    limited = load_config(
+        TINY, ["rollout.kv.adaptive.enabled=true", "rollout.kv.adaptive.max_rejected=0.2"]
+    )
+    kv = limited.rollout.kv
+    assert BudgetController.from_config(kv, page_size=4, max_len=32).max_rejected == 0.2
     with pytest.raises(ConfigError, match=r"unknown key 'rollout.kv.adaptive.targt'.*'target'"):
         load_config(TINY, ["rollout.kv.adaptive.targt=0.9"])
     with pytest.raises(ConfigError, match=r"rollout.kv.adaptive.margin = 'x'"):

@@ -481,18 +481,20 @@ def run_record(rows: list[dict], cfg: Config, prompt_tokens: float) -> dict[str,
         "mismatch_kl": mean("correction/mismatch_kl"),
         "rho_p5": mean("correction/rho_p5"),
         "kv_budget_mean": mean("rollout/kv_budget"),
-        "rungs": rungs(steps),
+        "rungs": rungs(steps, target=cfg.rollout.kv.adaptive.target),
     }
     nonfinite = any(r.get("actor/nonfinite_skips", 0) for r in steps)
     return record | collapse(record, nonfinite=nonfinite)
 
 
-def rungs(steps: list[dict]) -> dict[str, dict[str, float]]:
+def rungs(
+    steps: list[dict], target: float = AdaptiveBudgetConfig().target
+) -> dict[str, dict[str, float]]:
     """A run's steps grouped by the KV budget each rollout used (`rollout/kv_budget`; one group
     at a fixed budget, none for dense): per budget, the steps spent there and the means of what
-    the correction saw and the training reward. The adaptive controller's view: which budgets
-    it held, and what they cost (docs/reproductions.md, thirteenth session)."""
-    target = AdaptiveBudgetConfig().target
+    the correction saw and the training reward, with the steps whose p5 was under `target`
+    (the run's adaptive target). The adaptive controller's view: which budgets it held, and
+    what they cost (docs/reproductions.md, thirteenth session)."""
     by_budget: dict[int, list[dict]] = {}
     for r in steps:
         if "rollout/kv_budget" in r:

@@ -965,6 +965,60 @@ def _diff(a: dict, b: dict) -> float | None:
     return None if x is None or y is None else x - y
 
 
+def _ci(ci: dict | None) -> str:
+    if not ci or ci.get("ratio") is None:
+        return "-"
+    if ci.get("lo") is None:
+        return f"{ci['ratio']:.3f} (n={ci['n']})"
+    return f"{ci['ratio']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]"
+
+
+def _num(x: float | None, fmt: str = ".3f") -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def markdown_table(summary: dict[str, Any]) -> str:
+    """The summary's cells as one markdown table, a row per (arm, budget): the held-out reward
+    (the large set where decoded, else the small one) as a seed-paired ratio to dense with its
+    bootstrap 95% interval, dense-decoded (sampled, greedy) and on the arm's own sparse cache;
+    peak KV as retained tokens and as allocated pages, each over dense's; the evicted and
+    rejected fractions, the mean budget, and runs flagged as collapsed."""
+    head = (
+        "| arm | budget | seeds | dense-decoded sampled / dense | dense-decoded greedy / dense "
+        "| own cache sampled / dense | peak KV tokens / dense | peak KV pages / dense | evicted "
+        "| seqs rejected | mean budget | collapsed |"
+    )
+    rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for c in summary["cells"]:
+        held = "heldout_prompts" in c
+        sampled = c.get(
+            "heldout_dense_sampled_vs_dense_ci" if held else "dense_sampled_vs_dense_ci"
+        )
+        greedy = c.get("heldout_dense_greedy_vs_dense_ci" if held else "dense_greedy_vs_dense_ci")
+        own = c.get("heldout_sampled_vs_dense_ci") if held else None
+        rows.append(
+            "| "
+            + " | ".join(
+                (
+                    c["arm"],
+                    str(c["budget"]),
+                    str(c["seeds"]),
+                    _ci(sampled),
+                    _ci(greedy),
+                    _ci(own),
+                    _num(c.get("peak_kv_tokens_vs_dense"), ".2f"),
+                    _num(c.get("peak_kv_vs_dense"), ".2f"),
+                    _num(c["evicted_fraction"]["mean"], ".0%"),
+                    _num(c["rejected_seq_fraction"]["mean"], ".0%"),
+                    _num(c["kv_budget_mean"]["mean"], ".0f"),
+                    f"{c['collapsed']}/{c['seeds']}",
+                )
+            )
+            + " |"
+        )
+    return "\n".join(rows) + "\n"
+
+
 def plot_study(raw: dict[str, Any], path: str | Path) -> Path:
     """Training-reward curves per budget (one panel each), one line per arm: the mean over
     seeds with a band from the seeds' min to max."""

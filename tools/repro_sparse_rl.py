@@ -22,10 +22,11 @@ Writes under --out: `sft/` (the shared warm start), `signature/b<B>/` (the SFT m
 each budget, no training), `runs/<arm>_s<seed>[_b<B>]/` (each run's metrics.jsonl; with
 `--heldout N`, `..._heldout<N>_b<B>/`: its final weights decoded on N held-out prompts, one
 greedy and one sampled completion each, dense and at budget B, for every arm alike), `raw.json`,
-`curves.png` (training reward per budget, mean over seeds with a min-max band). Prints one line
-per finished run, then one JSON line: the signature, a cell per (arm, budget) with means over
-seeds, and the issue's targets at budgets <= L/4. `--set KEY=VALUE` (repeatable) overrides any
-config key in every run. Logic: benchmarks/repro_sparse_rl.py.
+`curves.png` (training reward per budget, mean over seeds with a min-max band), `table.md` (a
+row per arm and budget: ratios to dense with their intervals, peak KV, evictions, rejections).
+Prints one line per finished run, then one JSON line: the signature, a cell per (arm, budget)
+with means over seeds, and the issue's targets at budgets <= L/4. `--set KEY=VALUE`
+(repeatable) overrides any config key in every run. Logic: benchmarks/repro_sparse_rl.py.
 
 `--steps 200 --extend-from 100` makes 200-step runs from the 100-step ones: each arm's
 `<name>_t200` continues `<name>` from its checkpoint 100 and metrics (`<name>` run first if not
@@ -53,6 +54,7 @@ from benchmarks.repro_sparse_rl import (  # noqa: E402
     NotFinished,
     RunStopped,
     Study,
+    markdown_table,
     plot_study,
     run_study,
     summarise,
@@ -180,6 +182,8 @@ def main(argv: list[str] | None = None) -> dict:
             saved = save_archive(out, Path(args.archive))
             log(f"into the archive {args.archive}: {len(saved)} finished runs")
     (out / "raw.json").write_text(json.dumps(raw, indent=1))
+    summary = summarise(raw)
+    (out / "table.md").write_text(markdown_table(summary))
     result = {
         "config": raw["config"],
         "rollout_length": raw["rollout_length"],
@@ -187,7 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
         "seeds": list(study.seeds),
         "signature": raw["signature"],
         "signature_failures": raw["signature_failures"],
-        **summarise(raw),
+        **summary,
+        "table": str(out / "table.md"),
         "plot": str(plot_study(raw, out / "curves.png")),
         "wall_s": round(raw["wall_s"], 1),
     }

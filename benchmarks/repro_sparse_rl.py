@@ -977,16 +977,24 @@ def _num(x: float | None, fmt: str = ".3f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def _reached(cell: dict) -> str:
+    if "reached_target" not in cell:
+        return "-"
+    step = cell["steps_to_target"]["mean"]
+    return f"{cell['reached_target']}/{cell['seeds']}" + ("" if step is None else f" ({step:.0f})")
+
+
 def markdown_table(summary: dict[str, Any]) -> str:
     """The summary's cells as one markdown table, a row per (arm, budget): the held-out reward
     (the large set where decoded, else the small one) as a seed-paired ratio to dense with its
     bootstrap 95% interval, dense-decoded (sampled, greedy) and on the arm's own sparse cache;
     peak KV as retained tokens and as allocated pages, each over dense's; the evicted and
-    rejected fractions, the mean budget, and runs flagged as collapsed."""
+    rejected fractions, the mean budget, runs flagged as collapsed, and runs whose training
+    reward reached the target (`TARGET_FRACTION` of dense's final) with their mean step."""
     head = (
         "| arm | budget | seeds | dense-decoded sampled / dense | dense-decoded greedy / dense "
         "| own cache sampled / dense | peak KV tokens / dense | peak KV pages / dense | evicted "
-        "| seqs rejected | mean budget | collapsed |"
+        "| seqs rejected | mean budget | collapsed | reached target (step) |"
     )
     rows = [head, "|" + "---|" * head.count(" | ") + "---|"]
     for c in summary["cells"]:
@@ -1012,6 +1020,7 @@ def markdown_table(summary: dict[str, Any]) -> str:
                     _num(c["rejected_seq_fraction"]["mean"], ".0%"),
                     _num(c["kv_budget_mean"]["mean"], ".0f"),
                     f"{c['collapsed']}/{c['seeds']}",
+                    _reached(c),
                 )
             )
             + " |"

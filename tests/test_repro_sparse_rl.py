@@ -588,7 +588,9 @@ def test_the_table_has_a_row_per_cell_with_its_interval():
         rec |= {"evicted_fraction": 0.0 if arm == "dense" else 0.6, "masked_token_fraction": 0}
         rec |= {"rejected_seq_fraction": 0.25, "rho_p5": 1.0, "kv_budget_mean": budget}
         rec |= {"mismatch_kl": 0.0, "dense_sampled_final": held, "collapsed": arm == "naive"}
-        rec |= {"train_reward": [0.5], "train_reward_first3": 0.5, "train_reward_last3": 0.5}
+        reward = 0.1 if arm == "naive" else 0.5
+        rec |= {"train_reward": [reward], "train_reward_first3": reward}
+        rec |= {"train_reward_last3": reward}
         rec |= {"heldout_prompts": 1024, "heldout_dense_greedy": held}
         rec |= {"heldout_dense_sampled": held, f"heldout_sampled_b{budget}": held / 2}
         return {"arm": arm, "seed": seed, "budget": budget, **rec}
@@ -601,11 +603,12 @@ def test_the_table_has_a_row_per_cell_with_its_interval():
         + [run("naive", 0, 0.1, 8)],
     }
     lines = markdown_table(summarise(raw)).splitlines()
-    assert len(lines) == 2 + 3 and all(line.count("|") == 13 for line in lines)
+    assert len(lines) == 2 + 3 and all(line.count("|") == 14 for line in lines)
     row = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines[2:]}
     # 0.9 on both seeds: the interval is a point; one seed has no interval, only n = 1.
     assert row["corrected"][3] == "0.900 [0.900, 0.900]" and row["corrected"][5].startswith("0.450")
-    assert row["naive"][3] == "0.125 (n=1)" and row["naive"][-1] == "1/1 |"
+    assert row["naive"][3] == "0.125 (n=1)" and row["naive"][-2] == "1/1"
+    assert row["dense"][-1] == "2/2 (1) |" and row["naive"][-1] == "0/1 |"  # 0.9 x 0.5 at step 1
     assert row["corrected"][7] == "0.25" and row["corrected"][8:11] == ["60%", "25%", "8"]
     assert row["dense"][6] == "-"  # no tokens logged: no ratio, not a crash
 

@@ -108,7 +108,24 @@ ARMS: dict[str, tuple[str, ...]] = {
         "rollout.kv.adaptive.levels=12",
     ),
     "replay": ("rollout.record_evictions=true", "learner.attention_mask=replay"),
+    # Dense rollouts on half the prompts per step (`half_batch`, below): as many sequences
+    # reach the gradient as corrected's at L/4, where its veto drops 40-50% of each batch. Is
+    # that data loss alone what keeps corrected below dense? (docs/reproductions.md, fourteenth
+    # session.) Named with a budget like the sparse arms; its cache is never compressed.
+    "dense_half": ("rollout.kv.policy=none",),
 }
+
+
+def half_batch(arm: str, cfg: Config) -> tuple[str, ...]:
+    """The overrides that halve the prompts per step for `dense_half` (of the study's batch,
+    whatever `--set` made it); none for the other arms."""
+    if arm != "dense_half":
+        return ()
+    if cfg.data.batch_size < 2:
+        raise ConfigError(f"dense_half halves data.batch_size, which is {cfg.data.batch_size}")
+    return (f"data.batch_size={cfg.data.batch_size // 2}",)
+
+
 # A run collapsed (`collapse`) when, at the end, its held-out reward decoded with the full cache
 # (sampled, the policy RL trains; greedy when no sampled figure) is below this fraction of the
 # SFT start's, or its training reward (trailing mean of TARGET_WINDOW steps) is below this
@@ -596,6 +613,7 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                     f"train.seed={seed}",
                     "train.eval_dense=true",
                     *ARMS[arm],
+                    *half_batch(arm, study.cfg()),
                 ]
                 if b is not None:
                     overrides.append(f"rollout.kv.budget={b}")

@@ -180,6 +180,19 @@ def _check_archive(out, archive, result, cache, capsys):
     gone.rename(out)
 
 
+def test_every_arm_is_a_valid_config_of_the_study():
+    from benchmarks.repro_sparse_rl import ARMS, Study, half_batch
+
+    study = Study(config="configs/repro_sparse_rl.yaml", out_dir="unused", steps=3)
+    for arm, overrides in ARMS.items():
+        cfg = study.cfg(*overrides, "rollout.kv.budget=128")
+        assert cfg.train.steps == 3, arm
+    base = study.cfg("data.batch_size=8")
+    half = study.cfg(*ARMS["dense_half"], *half_batch("dense_half", base))
+    assert half.data.batch_size == 4 and not half.rollout.sparse
+    assert half_batch("corrected", base) == ()
+
+
 def test_signature_failures_name_each_part():
     sys.path.insert(0, str(ROOT))
     from benchmarks.repro_sparse_rl import signature_failures

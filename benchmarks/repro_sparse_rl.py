@@ -983,12 +983,15 @@ def _diff(a: dict, b: dict) -> float | None:
     return None if x is None or y is None else x - y
 
 
-def _ci(ci: dict | None) -> str:
+def _ci(ci: dict | None, seeds: int) -> str:
+    """A ratio with its interval; the seeds it pairs when fewer than the cell's (a decode
+    not finished, or no dense run of that seed)."""
     if not ci or ci.get("ratio") is None:
         return "-"
     if ci.get("lo") is None:
         return f"{ci['ratio']:.3f} (n={ci['n']})"
-    return f"{ci['ratio']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]"
+    n = "" if ci["n"] == seeds else f" (n={ci['n']})"
+    return f"{ci['ratio']:.3f} [{ci['lo']:.3f}, {ci['hi']:.3f}]{n}"
 
 
 def _num(x: float | None, fmt: str = ".3f") -> str:
@@ -1029,9 +1032,9 @@ def markdown_table(summary: dict[str, Any]) -> str:
                     c["arm"],
                     str(c["budget"]),
                     str(c["seeds"]),
-                    _ci(sampled),
-                    _ci(greedy),
-                    _ci(own),
+                    _ci(sampled, c["seeds"]),
+                    _ci(greedy, c["seeds"]),
+                    _ci(own, c["seeds"]),
                     _num(c.get("peak_kv_tokens_vs_dense"), ".2f"),
                     _num(c.get("peak_kv_vs_dense"), ".2f"),
                     _num(c["evicted_fraction"]["mean"], ".0%"),

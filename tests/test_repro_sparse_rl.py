@@ -613,10 +613,11 @@ def test_the_table_has_a_row_per_cell_with_its_interval():
         "rollout_length": 32,
         "runs": [run("dense", s, v) for s, v in ((0, 0.8), (1, 0.6))]
         + [run("corrected", s, v, 8) for s, v in ((0, 0.72), (1, 0.54))]
-        + [run("naive", 0, 0.1, 8)],
+        + [run("naive", 0, 0.1, 8)]
+        + [run("tis", s, v, 8) for s, v in ((0, 0.4), (1, 0.3), (2, 0.2))],  # no dense s2
     }
     lines = markdown_table(summarise(raw)).splitlines()
-    assert len(lines) == 2 + 3 and all(line.count("|") == 14 for line in lines)
+    assert len(lines) == 2 + 4 and all(line.count("|") == 14 for line in lines)
     row = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines[2:]}
     # 0.9 on both seeds: the interval is a point; one seed has no interval, only n = 1.
     assert row["corrected"][3] == "0.900 [0.900, 0.900]" and row["corrected"][5].startswith("0.450")
@@ -624,6 +625,7 @@ def test_the_table_has_a_row_per_cell_with_its_interval():
     assert row["dense"][-1] == "2/2 (1) |" and row["naive"][-1] == "0/1 |"  # 0.9 x 0.5 at step 1
     assert row["corrected"][7] == "0.25" and row["corrected"][8:11] == ["60%", "25%", "8"]
     assert row["dense"][6] == "-"  # no tokens logged: no ratio, not a crash
+    assert row["tis"][2] == "3" and row["tis"][3] == "0.500 [0.500, 0.500] (n=2)"
 
 
 def test_rungs_split_a_run_by_the_budget_each_step_used():

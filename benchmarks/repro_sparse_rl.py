@@ -613,13 +613,13 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                     f"train.seed={seed}",
                     "train.eval_dense=true",
                     *ARMS[arm],
-                    *half_batch(arm, study.cfg()),
+                    *half_batch(arm, base),
                 ]
                 if b is not None:
                     overrides.append(f"rollout.kv.budget={b}")
                 src, src_step = sft_dir, 0
                 if study.extend_from:
-                    base = study.cfg(*overrides, f"train.steps={study.extend_from}")
+                    shorter = study.cfg(*overrides, f"train.steps={study.extend_from}")
                     name = f"{name}_t{study.steps}"
                     run_dir = run_dir.with_name(name)
                     overrides.append(f"run_dir={run_dir}")
@@ -627,7 +627,7 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                 log(f"run {name} ({time.perf_counter() - t0:.0f}s into the study)")
                 try:
                     if study.extend_from and _done(cfg) is None:
-                        src, src_step = _extension_start(study, base, sft_dir, name, log)
+                        src, src_step = _extension_start(study, shorter, sft_dir, name, log)
                     study.run(cfg, src, src_step, log, extend=src_step > 0)
                 except NotFinished as e:
                     log(f"  left out: {e}")

@@ -108,22 +108,34 @@ ARMS: dict[str, tuple[str, ...]] = {
         "rollout.kv.adaptive.levels=12",
     ),
     "replay": ("rollout.record_evictions=true", "learner.attention_mask=replay"),
-    # Dense rollouts on half the prompts per step (`half_batch`, below): as many sequences
+    # Dense rollouts on half the prompts per step (`batch_overrides`, below): as many sequences
     # reach the gradient as corrected's at L/4, where its veto drops 40-50% of each batch. Is
     # that data loss alone what keeps corrected below dense? (docs/reproductions.md, fourteenth
     # session.) Named with a budget like the sparse arms; its cache is never compressed.
     "dense_half": ("rollout.kv.policy=none",),
+    # Its mirror: corrected on twice the prompts per step (`batch_overrides`), decoded through
+    # as many slots as the study's batch fills, so its peak KV is corrected's and its rollouts
+    # cost twice the decode steps. After the veto about as many sequences reach the gradient as
+    # dense's: does getting the vetoed samples back bring corrected to dense? (docs/
+    # reproductions.md, fifteenth session.)
+    "corrected_double": (),
 }
 
 
-def half_batch(arm: str, cfg: Config) -> tuple[str, ...]:
-    """The overrides that halve the prompts per step for `dense_half` (of the study's batch,
-    whatever `--set` made it); none for the other arms."""
-    if arm != "dense_half":
-        return ()
-    if cfg.data.batch_size < 2:
-        raise ConfigError(f"dense_half halves data.batch_size, which is {cfg.data.batch_size}")
-    return (f"data.batch_size={cfg.data.batch_size // 2}",)
+def batch_overrides(arm: str, cfg: Config) -> tuple[str, ...]:
+    """The overrides that change the prompts per step, relative to the study's batch (whatever
+    `--set` made it): half for `dense_half`; twice for `corrected_double`, in the slots one
+    study batch fills (`data.batch_size x rollout.n_samples`, fewer if the config has fewer).
+    None for the other arms."""
+    b = cfg.data.batch_size
+    if arm == "dense_half":
+        if b < 2:
+            raise ConfigError(f"dense_half halves data.batch_size, which is {b}")
+        return (f"data.batch_size={b // 2}",)
+    if arm == "corrected_double":
+        slots = min(cfg.rollout.num_slots, b * cfg.rollout.n_samples)
+        return (f"data.batch_size={2 * b}", f"rollout.num_slots={slots}")
+    return ()
 
 
 # A run collapsed (`collapse`) when, at the end, its held-out reward decoded with the full cache
@@ -613,7 +625,7 @@ def run_study(study: Study, log: Callable[[str], None] = print) -> dict[str, Any
                     f"train.seed={seed}",
                     "train.eval_dense=true",
                     *ARMS[arm],
-                    *half_batch(arm, base),
+                    *batch_overrides(arm, base),
                 ]
                 if b is not None:
                     overrides.append(f"rollout.kv.budget={b}")

@@ -181,16 +181,20 @@ def _check_archive(out, archive, result, cache, capsys):
 
 
 def test_every_arm_is_a_valid_config_of_the_study():
-    from benchmarks.repro_sparse_rl import ARMS, Study, half_batch
+    from benchmarks.repro_sparse_rl import ARMS, Study, batch_overrides
 
     study = Study(config="configs/repro_sparse_rl.yaml", out_dir="unused", steps=3)
     for arm, overrides in ARMS.items():
         cfg = study.cfg(*overrides, "rollout.kv.budget=128")
         assert cfg.train.steps == 3, arm
     base = study.cfg("data.batch_size=8")
-    half = study.cfg(*ARMS["dense_half"], *half_batch("dense_half", base))
+    half = study.cfg(*ARMS["dense_half"], *batch_overrides("dense_half", base))
     assert half.data.batch_size == 4 and not half.rollout.sparse
-    assert half_batch("corrected", base) == ()
+    double = study.cfg(*ARMS["corrected_double"], *batch_overrides("corrected_double", base))
+    assert double.data.batch_size == 16 and double.rollout.sparse
+    # twice the prompts through the slots one study batch fills: corrected's peak KV
+    assert double.rollout.num_slots == 8 * base.rollout.n_samples
+    assert batch_overrides("corrected", base) == ()
 
 
 def test_signature_failures_name_each_part():

@@ -27,6 +27,8 @@ from sparserl_jax.rl.correction import (
     SparseRLCorrection,
     SparseRLCorrectionConfig,
     correction_rows,
+    correction_step_metrics,
+    rejection_by_advantage,
     sparse_rl_weights,
 )
 from sparserl_jax.rl.gating import (
@@ -109,6 +111,7 @@ __all__ = [
     "compute_advantages",
     "compute_policy_loss",
     "correction_rows",
+    "correction_step_metrics",
     "dapo_advantages",
     "dapo_overlong_penalty",
     "divergence_rejection_mask",
@@ -131,6 +134,7 @@ __all__ = [
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
     "reinforce_token_is_loss",
+    "rejection_by_advantage",
     "rloo_advantages",
     "sequence_is_log_weight",
     "sequence_log_ratio",

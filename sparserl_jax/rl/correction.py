@@ -386,3 +386,44 @@ def sparse_rl_weights(
     return SparseRLCorrection(
         loss_mask_bt=keep_bt, weights_bt=w_bt, metrics=metrics, weight_scale=scale
     )
+
+
+def rejection_by_advantage(
+    loss_mask_bt: Float[Array, "B T"],
+    mask_bt: Bool[Array, "B T"] | Float[Array, "B T"],
+    advantages_b: Float[Array, " B"],
+) -> dict[str, Float[Array, ""]]:
+    """Which sequences the correction removed, by the sign of their advantage (learner metrics).
+
+    `rejected_pos_adv_fraction` / `rejected_neg_adv_fraction`: of the non-empty sequences with
+    an advantage above / below zero, the fraction left with no token in `loss_mask_bt` (0 when
+    there are none); `kept_advantage_mean`: the mean advantage over the sequences kept (0 when
+    none). GRPO's advantages average zero within a group, so a kept mean above zero says the
+    rejection removes the below-average samples more often than the good ones: the gradient then
+    loses its "do not do this" half, whatever the count of samples left.
+    """
+    seq_valid_b = jnp.any(mask_bt.astype(bool), axis=1)
+    kept_b = seq_valid_b & jnp.any(loss_mask_bt > 0, axis=1)
+    rejected_b = seq_valid_b & ~kept_b
+    adv_b = advantages_b.astype(jnp.float32)
+
+    def share(of_b):
+        n = jnp.sum(of_b.astype(jnp.float32))
+        return jnp.sum((rejected_b & of_b).astype(jnp.float32)) / jnp.maximum(n, 1.0)
+
+    n_kept = jnp.sum(kept_b.astype(jnp.float32))
+    return {
+        "rejected_pos_adv_fraction": share(seq_valid_b & (adv_b > 0)),
+        "rejected_neg_adv_fraction": share(seq_valid_b & (adv_b < 0)),
+        "kept_advantage_mean": jnp.sum(jnp.where(kept_b, adv_b, 0.0)) / jnp.maximum(n_kept, 1.0),
+    }
+
+
+def correction_step_metrics(
+    corr: SparseRLCorrection,
+    mask_bt: Bool[Array, "B T"] | Float[Array, "B T"],
+    advantages_b: Float[Array, " B"],
+) -> dict[str, Float[Array, ""]]:
+    """A learner step's `correction/*` scalars: `CorrectionMetrics` and `rejection_by_advantage`."""
+    split = rejection_by_advantage(corr.loss_mask_bt, mask_bt, advantages_b)
+    return {f"correction/{k}": v for k, v in (corr.metrics._asdict() | split).items()}

@@ -36,7 +36,7 @@ from sparserl_jax.models.attention import with_attention_mesh
 from sparserl_jax.models.transformer import check_token_ids
 from sparserl_jax.parallel import batch_sharding, batch_shards, state_shardings
 from sparserl_jax.rl.config import LearnerConfig
-from sparserl_jax.rl.correction import sparse_rl_weights
+from sparserl_jax.rl.correction import correction_step_metrics, sparse_rl_weights
 from sparserl_jax.rl.gating import (
     DGGState,
     GradientGate,
@@ -212,7 +212,7 @@ def train_step(
         "dgg/armed": decision.armed,
         "dgg/fire": fire,
         "dgg/stop_reuse": decision.stop_reuse | ~finite,
-        **{f"correction/{k}": v for k, v in corr.metrics._asdict().items()},
+        **correction_step_metrics(corr, batch.mask_bt, batch.advantages_b),
     }
     if first_pass:
         return new_state, metrics, old_bt

@@ -14,7 +14,7 @@ from sparserl_jax.rl import (
     aggregate_loss,
     sparse_rl_weights,
 )
-from sparserl_jax.rl.correction import masked_percentile
+from sparserl_jax.rl.correction import masked_percentile, rejection_by_advantage
 
 # Three sequences, five positions; column 0 is the prompt. Row 2 is an empty completion.
 MASK = jnp.array([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0], [0, 0, 0, 0, 0]], bool)
@@ -279,3 +279,25 @@ def test_percentiles_run_over_the_tokens_after_the_first_eviction():
     # No token after an eviction: no eviction mismatch to measure.
     none = sparse_rl_weights(old, sampler, mask, None, jnp.zeros((1, 4), bool))
     assert float(none.metrics.rho_p5) == float(none.metrics.rho_p1) == 1.0
+
+
+def test_rejection_by_advantage_hand_computed():
+    """Which sequences the correction removed, by the sign of their advantage."""
+    mask = jnp.array([[1, 1], [1, 1], [1, 0], [1, 1], [1, 1], [0, 0]], bool)
+    keep = jnp.array([[0, 0], [1, 0], [0, 0], [1, 1], [0, 0], [0, 0]], jnp.float32)
+    adv = jnp.array([1.0, 0.5, -1.0, -0.5, 0.0, 2.0])  # row 5 is empty: counts nowhere
+    out = rejection_by_advantage(keep, mask, adv)
+    # Rows 0 (adv > 0), 2 (adv < 0), 4 (adv 0) are rejected; 1 and 3 kept (one token is enough).
+    assert float(out["rejected_pos_adv_fraction"]) == pytest.approx(1 / 2)
+    assert float(out["rejected_neg_adv_fraction"]) == pytest.approx(1 / 2)
+    assert float(out["kept_advantage_mean"]) == pytest.approx((0.5 - 0.5) / 2)
+    # The veto of the defaults on the shared example: row 1 vetoed.
+    corr = sparse_rl_weights(OLD, SAMPLER, MASK)
+    out = rejection_by_advantage(corr.loss_mask_bt, MASK, jnp.array([-1.0, -2.0, 5.0]))
+    assert float(out["rejected_neg_adv_fraction"]) == pytest.approx(1 / 2)
+    assert float(out["rejected_pos_adv_fraction"]) == 0.0  # no valid positive row
+    assert float(out["kept_advantage_mean"]) == pytest.approx(-1.0)
+    # Nothing kept at all: the mean is 0, not NaN.
+    none = rejection_by_advantage(jnp.zeros((6, 2)), mask, adv)
+    assert float(none["kept_advantage_mean"]) == 0.0
+    assert float(none["rejected_pos_adv_fraction"]) == 1.0

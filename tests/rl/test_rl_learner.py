@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparserl_jax.rl import sparse_rl_weights
+from sparserl_jax.rl import rejection_by_advantage, sparse_rl_weights
 from sparserl_jax.rl.config import LossConfig, OptimizerConfig
 from sparserl_jax.rl.gating import DGGConfig, DGGState
 from sparserl_jax.rl.learner import Learner
@@ -49,6 +49,10 @@ def test_step_matches_full_batch_reference(which, request):
     for key, value in want._asdict().items():
         np.testing.assert_allclose(m[f"correction/{key}"], value, rtol=1e-6, err_msg=key)
     assert 0 < float(m["correction/masked_token_fraction"]) < 1
+    corr = sparse_rl_weights(batch.old_logp_bt, batch.sampler_logp_bt, batch.mask_bt)
+    split = rejection_by_advantage(corr.loss_mask_bt, batch.mask_bt, batch.advantages_b)
+    for key, value in split.items():
+        np.testing.assert_allclose(m[f"correction/{key}"], value, rtol=1e-6, err_msg=key)
     moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - b).max(), state.params, params0)
     assert max(jax.tree.leaves(moved)) > 1e-4
 

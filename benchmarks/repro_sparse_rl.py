@@ -119,6 +119,11 @@ ARMS: dict[str, tuple[str, ...]] = {
     # dense's: does getting the vetoed samples back bring corrected to dense? (docs/
     # reproductions.md, fifteenth session.)
     "corrected_double": (),
+    # Corrected with GRPO's group statistics over the sequences it keeps. The veto removes the
+    # below-average samples more often than the good ones (`correction/rejected_neg_adv_fraction`
+    # 0.4-0.7 against `rejected_pos_adv_fraction` 0.2-0.4 at L/4), so with Sparse-RL's
+    # full-group advantages the kept ones average above zero: is that bias the cost?
+    "kept_adv": ("train.advantages_over_kept=true",),
 }
 
 

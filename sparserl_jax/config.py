@@ -31,7 +31,7 @@ from sparserl_jax.models.config import ModelConfig
 from sparserl_jax.models.hf import read_hf_config
 from sparserl_jax.models.presets import model_preset
 from sparserl_jax.parallel.sharding import MeshConfig
-from sparserl_jax.rl.advantages import AdvantageEstimator
+from sparserl_jax.rl.advantages import GROUP_ESTIMATORS, AdvantageEstimator
 from sparserl_jax.rl.config import LearnerConfig
 from sparserl_jax.rollout.config import GenerateConfig, RolloutConfig
 from sparserl_jax.sft import SFTConfig
@@ -152,6 +152,8 @@ class TrainConfig:
       advantage_estimator: `grpo`, `dr_grpo`, `dapo`, `rloo`, `reinforce_pp` or
         `reinforce_pp_baseline` (verl `algorithm.adv_estimator`); groups are
         `rollout.n_samples` wide.
+      advantages_over_kept: group advantages over the samples the correction keeps, not the
+        full group as Sparse-RL (`rl.kept_group_advantages`; pi_old from a separate forward).
       topology: `colocated` or `split` (trainer and sampler on disjoint devices).
       sampler_devices: with `split`, how many devices (the last ones) the sampler gets; the
         trainer mesh (`mesh:` section) is laid over the rest. The sampler's mesh is data x
@@ -184,6 +186,7 @@ class TrainConfig:
     steps: int = 100
     seed: int = 0
     advantage_estimator: AdvantageEstimator = "grpo"
+    advantages_over_kept: bool = False
     topology: Topology = "colocated"
     sampler_devices: int = 1
     sampler_tensor: int = 1
@@ -204,6 +207,11 @@ class TrainConfig:
     def __post_init__(self):
         if self.steps < 0:
             raise ConfigError(f"train.steps must be >= 0, got {self.steps}")
+        if self.advantages_over_kept and self.advantage_estimator not in GROUP_ESTIMATORS:
+            raise ConfigError(
+                f"train.advantages_over_kept needs a group estimator {GROUP_ESTIMATORS}, got "
+                f"train.advantage_estimator={self.advantage_estimator!r}"
+            )
         if self.topology not in ("colocated", "split"):
             raise ConfigError(
                 f"train.topology {self.topology!r} unknown; expected colocated, split"

@@ -15,7 +15,15 @@ import numpy as np
 
 from sparserl_jax.config import Config
 from sparserl_jax.data import compute_rewards
-from sparserl_jax.rl import Learner, LearnerState, RLBatch, compute_advantages
+from sparserl_jax.rl import (
+    Learner,
+    LearnerState,
+    RLBatch,
+    compute_advantages,
+    kept_group_advantages,
+    rejected_sequences,
+    sparse_rl_weights,
+)
 from sparserl_jax.rollout import RolloutResult
 from sparserl_jax.sampler import completion_texts, published_params
 from sparserl_jax.sync import Published, Publisher
@@ -118,10 +126,13 @@ def learn_step(
     rcfg = cfg.rollout
     bypass = cfg.learner.correction.bypass
     why = None
+    over_kept = cfg.train.advantages_over_kept and not bypass
     if not bypass:
         why = old_logp_recompute_reason(
             learner, cfg.sync.jnp_publish_dtype, publisher.version, result.weight_version
         )
+        if why is None and over_kept:  # the rejections must be known before the advantages
+            why = "train.advantages_over_kept: the correction runs before the update"
         if why is not None and why not in _logged and cfg.learner.old_logp_from_first_pass:
             _logged.add(why)  # once per reason and process
             log.warning("pi_old: a separate teacher-forced recompute (%s)", why)
@@ -146,6 +157,24 @@ def learn_step(
             )
             old = learner.logprobs(old_params, batch.tokens_bt, batch.evict_pos_bykt)
             batch = batch._replace(old_logp_bt=old)
+        if over_kept:  # the group statistics over the sequences the correction keeps
+            corr = sparse_rl_weights(
+                batch.old_logp_bt,
+                batch.sampler_logp_bt,
+                batch.mask_bt,
+                cfg.learner.correction,
+                batch.after_eviction_bt,
+            )
+            kept = ~rejected_sequences(corr.loss_mask_bt, batch.mask_bt)
+            adv = np.asarray(
+                kept_group_advantages(
+                    jnp.asarray(rewards),
+                    kept,
+                    group_size=rcfg.n_samples,
+                    estimator=cfg.train.advantage_estimator,
+                )
+            )
+            batch = batch._replace(advantages_b=adv)
         t_old = time.perf_counter() - t0
     if on_update is not None:
         on_update()

@@ -18,7 +18,7 @@ from sparserl_jax.build import build_model
 from sparserl_jax.checkpoint import CheckpointManager
 from sparserl_jax.config import load_config
 from sparserl_jax.metrics import read_metrics
-from sparserl_jax.rl import Learner
+from sparserl_jax.rl import Learner, rejected_sequences, sparse_rl_weights
 from sparserl_jax.rollout import RolloutResult
 from sparserl_jax.sampler import step_seeds
 from sparserl_jax.testing import assert_trees_equal, child_env
@@ -235,6 +235,57 @@ def test_algorithm_options_end_to_end(tmp_path, overrides):
     for r in rows:
         assert np.isfinite(r["actor/pg_loss"]) and r["sync/verified"] is True
         assert r.get("actor/old_log_prob_bypassed", 0) == ("bypass" in overrides[-1])
+
+
+def test_advantages_over_kept_need_a_group_estimator(tmp_path):
+    with pytest.raises(ValueError, match="group estimator"):
+        load_config(
+            TINY, ["train.advantages_over_kept=true", "train.advantage_estimator=reinforce_pp"]
+        )
+
+
+@pytest.mark.slow
+def test_advantages_over_kept_end_to_end(tmp_path, monkeypatch):
+    """`train.advantages_over_kept`: the batch the learner gets gives every rejected sequence
+    advantage 0 and each group's kept sequences advantages that sum to 0 (GRPO over the kept
+    ones); the learner's `correction/kept_advantage_mean` reads 0. A sequence-level rejection
+    band of +-2% rejects some rows of each batch here (the veto alone rejects none on a random
+    model), and a length reward gives the groups a spread."""
+    seen = []
+    original = Learner.train_on_batch
+
+    def spy(self, state, batch):
+        seen.append(jax.device_get(batch))
+        return original(self, state, batch)
+
+    monkeypatch.setattr(Learner, "train_on_batch", spy)
+    common = [
+        "train.steps=2",
+        "train.eval_examples=0",
+        "sft.steps=0",
+        "data.batch_size=2",
+        "rollout.n_samples=4",
+        "data.reward_fn=sparserl_jax.testing.fixtures:length_reward",
+        "learner.correction.reject_level=sequence",
+        "learner.correction.reject_lower=0.98",
+        "learner.correction.reject_upper=1.02",
+    ]
+    cfg = load_config(TINY, [f"run_dir={tmp_path}", "train.advantages_over_kept=true", *common])
+    train(cfg, log_fn=lambda m: None)
+    rows = [r for r in read_metrics(tmp_path) if "critic/score/mean" in r]
+    rejected_any = False
+    for batch, row in zip(seen, rows, strict=True):
+        corr = sparse_rl_weights(
+            batch.old_logp_bt, batch.sampler_logp_bt, batch.mask_bt, cfg.learner.correction
+        )
+        rejected = np.asarray(rejected_sequences(corr.loss_mask_bt, batch.mask_bt))
+        rejected_any |= bool(rejected.any()) and not rejected.all()
+        adv = np.asarray(batch.advantages_b)
+        assert not adv[rejected].any()
+        np.testing.assert_allclose(adv.reshape(-1, 4).sum(1), 0.0, atol=1e-5)
+        assert abs(row["correction/kept_advantage_mean"]) < 1e-5
+    assert rejected_any, "no batch had both kept and rejected rows: the test saw nothing"
+    assert any(np.asarray(b.advantages_b).any() for b in seen)
 
 
 @pytest.mark.slow

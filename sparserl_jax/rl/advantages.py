@@ -183,6 +183,54 @@ def dapo_overlong_penalty(
     return jnp.where(length <= soft, 0.0, jnp.where(length <= max_len, penalty, -1.0))
 
 
+GROUP_ESTIMATORS: tuple[str, ...] = ("grpo", "dr_grpo", "dapo", "rloo")
+
+
+def kept_group_advantages(
+    rewards_b: Float[Array, " B"],
+    kept_b: Bool[Array, " B"],
+    *,
+    group_size: int,
+    estimator: AdvantageEstimator = "grpo",
+    eps: float = 1e-6,
+    std_ddof: int = 1,
+) -> Float[Array, " B"]:
+    """A group estimator (`GROUP_ESTIMATORS`) over the kept samples of each group only.
+
+    A sample with `kept_b` False gets advantage 0 and leaves its group's statistics: the mean,
+    the std (GRPO, DAPO) and RLOO's sibling baseline run over the kept samples, so the kept
+    advantages of a group again average zero. A group left with fewer than two kept samples, or
+    whose kept rewards are all equal, gives 0. With every sample kept this is the estimator
+    itself. Sparse-RL keeps its full-group advantages after rejection (`compute_advantages`);
+    this is the alternative (`train.advantages_over_kept`).
+    """
+    if estimator not in GROUP_ESTIMATORS:
+        raise ValueError(
+            f"advantages over the kept samples need a group estimator {GROUP_ESTIMATORS}, "
+            f"got {estimator!r}"
+        )
+    r_pg = _groups(rewards_b, group_size)
+    if kept_b.shape != rewards_b.shape:
+        raise ValueError(f"kept_b {kept_b.shape} must match the rewards {rewards_b.shape}")
+    k_pg = kept_b.reshape(r_pg.shape).astype(bool)
+    kf_pg = k_pg.astype(jnp.float32)
+    n_p1 = jnp.sum(kf_pg, axis=1, keepdims=True)
+    sum_p1 = jnp.sum(r_pg * kf_pg, axis=1, keepdims=True)
+    if estimator == "rloo":
+        adv_pg = r_pg - (sum_p1 - r_pg) / jnp.maximum(n_p1 - 1, 1.0)
+    else:
+        adv_pg = r_pg - sum_p1 / jnp.maximum(n_p1, 1.0)
+        if estimator != "dr_grpo":
+            sq_p1 = jnp.sum(jnp.where(k_pg, adv_pg, 0.0) ** 2, axis=1, keepdims=True)
+            std_p1 = jnp.sqrt(sq_p1 / jnp.maximum(n_p1 - std_ddof, 1.0))
+            adv_pg = adv_pg / (std_p1 + eps)
+    # All kept rewards equal (one kept sample included): no preference, exactly 0.
+    same_p1 = jnp.max(jnp.where(k_pg, r_pg, -jnp.inf), axis=1, keepdims=True) == jnp.min(
+        jnp.where(k_pg, r_pg, jnp.inf), axis=1, keepdims=True
+    )
+    return jnp.where(k_pg & ~same_p1, adv_pg, 0.0).reshape(-1)
+
+
 def compute_advantages(
     rewards_b: Float[Array, " B"], *, group_size: int, estimator: AdvantageEstimator = "grpo"
 ) -> Float[Array, " B"]:

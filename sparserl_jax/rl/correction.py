@@ -364,7 +364,7 @@ def sparse_rl_weights(
 
     seq_valid_b = jnp.any(valid_bt, axis=1)
     n_seq = jnp.maximum(jnp.sum(seq_valid_b.astype(jnp.float32)), 1.0)
-    emptied_b = seq_valid_b & ~jnp.any(keep_bt > 0, axis=1)
+    emptied_b = rejected_sequences(keep_bt, valid_bt)
     safe_n = jnp.maximum(n_valid, 1.0)
     has_tokens = n_valid > 0
     rho_sum = jnp.sum(rho_bt * m_bt)
@@ -388,6 +388,14 @@ def sparse_rl_weights(
     )
 
 
+def rejected_sequences(
+    loss_mask_bt: Float[Array, "B T"], mask_bt: Bool[Array, "B T"] | Float[Array, "B T"]
+) -> Bool[Array, " B"]:
+    """The non-empty sequences that the correction left with no token in `loss_mask_bt` (an
+    empty completion is never rejected: it had nothing to remove)."""
+    return jnp.any(mask_bt.astype(bool), axis=1) & ~jnp.any(loss_mask_bt > 0, axis=1)
+
+
 def rejection_by_advantage(
     loss_mask_bt: Float[Array, "B T"],
     mask_bt: Bool[Array, "B T"] | Float[Array, "B T"],
@@ -403,8 +411,8 @@ def rejection_by_advantage(
     loses its "do not do this" half, whatever the count of samples left.
     """
     seq_valid_b = jnp.any(mask_bt.astype(bool), axis=1)
-    kept_b = seq_valid_b & jnp.any(loss_mask_bt > 0, axis=1)
-    rejected_b = seq_valid_b & ~kept_b
+    rejected_b = rejected_sequences(loss_mask_bt, mask_bt)
+    kept_b = seq_valid_b & ~rejected_b
     adv_b = advantages_b.astype(jnp.float32)
 
     def share(of_b):

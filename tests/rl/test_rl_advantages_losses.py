@@ -19,6 +19,7 @@ from sparserl_jax.rl import (
     dynamic_sampling_mask,
     entropy_from_logits,
     grpo_advantages,
+    kept_group_advantages,
     kl_penalty,
     ppo_clip_fraction,
     ppo_clip_loss,
@@ -93,6 +94,57 @@ def test_grpo_invariant_to_affine_rewards(ints, scale, shift):
         np.asarray(a).reshape(2, 3)[np.isfinite(np.asarray(a)).reshape(2, 3).all(1)].sum(1),
         0.0,
         atol=1e-5,
+    )
+
+
+def test_kept_group_advantages_hand_computed():
+    """The group statistics over the kept samples only; a dropped sample gets 0."""
+    r = jnp.array([1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    kept = jnp.array([True, True, False, False, True, False, True, False])
+    # Group 1 keeps [1, 0]: mean 0.5, unbiased std sqrt(0.5). Group 2 keeps [1, 1]: all equal.
+    want = np.array([0.5, -0.5, 0, 0, 0, 0, 0, 0]) / (math.sqrt(0.5) + 1e-6)
+    np.testing.assert_allclose(kept_group_advantages(r, kept, group_size=4), want, rtol=1e-6)
+    np.testing.assert_allclose(
+        kept_group_advantages(r, kept, group_size=4, estimator="dr_grpo"),
+        [0.5, -0.5, 0, 0, 0, 0, 0, 0],
+    )
+    # RLOO: each kept sample's baseline is the mean of its kept siblings (one here).
+    r3 = jnp.array([3.0, 1.0, 2.0, 5.0, 0.0, 0.0])
+    k3 = jnp.array([True, True, True, True, False, False])
+    np.testing.assert_allclose(
+        kept_group_advantages(r3, k3, group_size=3, estimator="rloo"),
+        [3.0 - 1.5, 1.0 - 2.5, 2.0 - 2.0, 0, 0, 0],
+    )
+    # One kept sample has no sibling: 0, whatever its reward.
+    one = jnp.array([True, False, False, False, False, False])
+    np.testing.assert_array_equal(kept_group_advantages(r3, one, group_size=3), 0.0)
+    with pytest.raises(ValueError, match="reinforce_pp"):
+        kept_group_advantages(r, kept, group_size=4, estimator="reinforce_pp")
+    with pytest.raises(ValueError, match="kept"):
+        kept_group_advantages(r, kept[:4], group_size=4)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(0, 3), min_size=8, max_size=8),
+    st.lists(st.booleans(), min_size=8, max_size=8),
+    st.sampled_from(["grpo", "dr_grpo", "dapo", "rloo"]),
+)
+def test_kept_group_advantages_match_the_estimator_on_the_kept_rows(ints, kept, estimator):
+    """Every kept row equals the estimator run on its group's kept rows alone; all kept: the
+    estimator itself, bit for bit."""
+    r, k = jnp.array(ints, jnp.float32), np.array(kept)
+    got = np.asarray(kept_group_advantages(r, jnp.array(k), group_size=4, estimator=estimator))
+    for g in range(2):
+        rows = np.flatnonzero(k[4 * g : 4 * g + 4]) + 4 * g
+        want = np.zeros(len(rows))
+        if len(rows) >= 2:
+            want = compute_advantages(r[rows], group_size=len(rows), estimator=estimator)
+        np.testing.assert_allclose(got[rows], want, rtol=1e-5, atol=1e-6)
+    assert not got[~k].any()
+    np.testing.assert_array_equal(
+        kept_group_advantages(r, jnp.ones(8, bool), group_size=4, estimator=estimator),
+        compute_advantages(r, group_size=4, estimator=estimator),
     )
 
 

@@ -407,8 +407,8 @@ def rejection_by_advantage(
     an advantage above / below zero, the fraction left with no token in `loss_mask_bt` (0 when
     there are none); `kept_advantage_mean`: the mean advantage over the sequences kept (0 when
     none). GRPO's advantages average zero within a group, so a kept mean above zero says the
-    rejection removes the below-average samples more often than the good ones: the gradient then
-    loses its "do not do this" half, whatever the count of samples left.
+    rejection removes the below-average samples more often than the good ones, and the update
+    mostly reinforces (`train.advantages_over_kept` recomputes the advantages without them).
     """
     seq_valid_b = jnp.any(mask_bt.astype(bool), axis=1)
     rejected_b = rejected_sequences(loss_mask_bt, mask_bt)

@@ -44,13 +44,18 @@ def _groups(rewards_b: Float[Array, " B"], group_size: int) -> Float[Array, "P G
     return rewards_b.astype(jnp.float32).reshape(-1, group_size)
 
 
-def _zero_if_equal(adv_pg: Float[Array, "P G"], rewards_pg: Float[Array, "P G"]):
+def _zero_if_equal(
+    adv_pg: Float[Array, "P G"],
+    rewards_pg: Float[Array, "P G"],
+    kept_pg: Bool[Array, "P G"] | None = None,
+):
     # A group whose rewards are all equal carries no preference: its advantage is exactly 0.
     # Computing it as `R - mean` is not enough: for rewards float32 cannot hold exactly (a group
     # of 123.456s) the mean is off by an ulp and dividing by `std + eps` blows that up to ~1.
-    same_p1 = jnp.max(rewards_pg, axis=1, keepdims=True) == jnp.min(
-        rewards_pg, axis=1, keepdims=True
-    )
+    # `kept_pg`: only those samples' rewards are compared (one kept sample: all equal).
+    hi_pg = rewards_pg if kept_pg is None else jnp.where(kept_pg, rewards_pg, -jnp.inf)
+    lo_pg = rewards_pg if kept_pg is None else jnp.where(kept_pg, rewards_pg, jnp.inf)
+    same_p1 = jnp.max(hi_pg, axis=1, keepdims=True) == jnp.min(lo_pg, axis=1, keepdims=True)
     return jnp.where(same_p1, 0.0, adv_pg)
 
 
@@ -224,11 +229,7 @@ def kept_group_advantages(
             sq_p1 = jnp.sum(jnp.where(k_pg, adv_pg, 0.0) ** 2, axis=1, keepdims=True)
             std_p1 = jnp.sqrt(sq_p1 / jnp.maximum(n_p1 - std_ddof, 1.0))
             adv_pg = adv_pg / (std_p1 + eps)
-    # All kept rewards equal (one kept sample included): no preference, exactly 0.
-    same_p1 = jnp.max(jnp.where(k_pg, r_pg, -jnp.inf), axis=1, keepdims=True) == jnp.min(
-        jnp.where(k_pg, r_pg, jnp.inf), axis=1, keepdims=True
-    )
-    return jnp.where(k_pg & ~same_p1, adv_pg, 0.0).reshape(-1)
+    return jnp.where(k_pg, _zero_if_equal(adv_pg, r_pg, k_pg), 0.0).reshape(-1)
 
 
 def compute_advantages(
